@@ -1,0 +1,26 @@
+"""The DeepSeek-V3 / Kimi-K2 family MoE transformer (Flax Linen, pure functions)."""
+
+from cursor_rl.model.config import ModelConfig, RopeScaling
+from cursor_rl.model.moe import update_router_bias
+from cursor_rl.model.transformer import (
+    abstract_variables,
+    forward,
+    forward_with_aux,
+    init,
+    stack_layers,
+    unstack_layers,
+    variable_shardings,
+)
+
+__all__ = [
+    "ModelConfig",
+    "RopeScaling",
+    "abstract_variables",
+    "forward",
+    "forward_with_aux",
+    "init",
+    "stack_layers",
+    "unstack_layers",
+    "update_router_bias",
+    "variable_shardings",
+]

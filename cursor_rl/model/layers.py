@@ -1,0 +1,232 @@
+"""Building blocks: RMSNorm, YaRN RoPE, multi-head latent attention (MLA), SwiGLU MLP.
+
+Parameters carry logical axis names (see ``cursor_rl.partitioning``); activations
+are constrained with ``act_*`` names. Norms, RoPE tables and the softmax run in
+float32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cursor_rl.model.config import ModelConfig, yarn_mscale
+
+Array = jax.Array
+
+BTE = ("act_batch", "act_length", "act_embed")
+BTHK = ("act_batch", "act_length", "act_heads", "act_kv")
+
+
+def kernel(
+    module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple, config: ModelConfig
+) -> Array:
+    """A matmul weight with logical axes, cast to the compute dtype."""
+    init = nn.with_logical_partitioning(nn.initializers.normal(config.initializer_range), axes)
+    return module.param(name, init, shape, config.jnp_param_dtype).astype(config.jnp_dtype)
+
+
+def constrain(x: Array, axes: tuple) -> Array:
+    return nn.with_logical_constraint(x, axes)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    param_dtype: jnp.dtype = jnp.float32
+    axis_name: str = "norm"
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+            (x.shape[-1],),
+            self.param_dtype,
+        )
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (scale.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+# ---- rotary position embeddings -----------------------------------------------------
+
+
+def rope_frequencies(config: ModelConfig) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [R/2] and the cos/sin amplitude ("attention factor").
+
+    Plain RoPE, or YaRN (arXiv:2309.00071 sec. 3.2): frequencies with fewer than
+    ``beta_slow`` rotations over the original context are interpolated by
+    ``factor``, those with more than ``beta_fast`` kept, and a linear ramp blends
+    between. Computed in float32 exactly as transformers' ``_compute_yarn_parameters``.
+    """
+    dim = config.qk_rope_head_dim
+    base = config.rope_theta
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    pos_freqs = np.power(np.float32(base), exponents, dtype=np.float32)
+    inv_freq = (1.0 / pos_freqs).astype(np.float32)
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq, 1.0
+
+    def correction_dim(num_rotations: float) -> float:
+        return (
+            dim * math.log(rs.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+        ) / (2 * math.log(base))
+
+    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation_weight = (1 - ramp).astype(np.float32)
+    inv_interp = (1.0 / (np.float32(rs.factor) * pos_freqs)).astype(np.float32)
+    inv_freq = inv_interp * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
+    if rs.mscale and rs.mscale_all_dim:
+        attention_factor = yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(
+            rs.factor, rs.mscale_all_dim
+        )
+    else:
+        attention_factor = yarn_mscale(rs.factor)
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+class Rope(NamedTuple):
+    cos: Array  # [B, T, R/2] float32, already scaled by the attention factor
+    sin: Array
+
+
+def rope_tables(config: ModelConfig, positions: Array) -> Rope:
+    inv_freq, attention_factor = rope_frequencies(config)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return Rope(jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor)
+
+
+def apply_rope(x: Array, rope: Rope, interleave: bool) -> Array:
+    """Rotates x [B, T, H, R] by position.
+
+    With ``interleave`` (DeepSeek's published weights) dimension pairs are
+    (0,1), (2,3), ...; otherwise (i, i + R/2). Either way the output lays the
+    rotated pairs out as [first halves | second halves], like transformers: the
+    same permutation hits queries and keys, so scores are unaffected.
+    """
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    cos = rope.cos[:, :, None, :]
+    sin = rope.sin[:, :, None, :]
+    x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ---- attention ----------------------------------------------------------------------
+
+
+def attention_mask(segment_ids: Array | None, batch: int, length: int) -> Array:
+    """Causal mask [B, 1, T, T] that also keeps packed documents apart."""
+    causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))[None, None]
+    if segment_ids is None:
+        return jnp.broadcast_to(causal, (batch, 1, length, length))
+    same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    return causal & same
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 sec. 2.1).
+
+    Keys and values are rebuilt per head from a compressed latent ``kv_latent``
+    (kv_lora_rank wide, RMS-normed) plus one RoPE key shared by all heads; queries
+    optionally pass through their own low-rank bottleneck.
+    """
+
+    config: ModelConfig
+
+    def setup(self):
+        c = self.config
+        d, h = c.hidden_size, c.num_heads
+        if c.q_lora_rank is None:
+            self.q_proj = kernel(self, "q_proj", (d, h, c.qk_head_dim), ("embed", "heads", "kv"), c)
+        else:
+            self.q_a_proj = kernel(self, "q_a_proj", (d, c.q_lora_rank), ("embed", "q_lora"), c)
+            self.q_a_norm = RMSNorm(c.rms_norm_eps, c.jnp_param_dtype)
+            self.q_b_proj = kernel(
+                self, "q_b_proj", (c.q_lora_rank, h, c.qk_head_dim), ("q_lora", "heads", "kv"), c
+            )
+        self.kv_a_proj = kernel(
+            self, "kv_a_proj", (d, c.kv_lora_rank + c.qk_rope_head_dim), ("embed", "kv_lora"), c
+        )
+        self.kv_a_norm = RMSNorm(c.rms_norm_eps, c.jnp_param_dtype)
+        self.kv_b_proj = kernel(
+            self,
+            "kv_b_proj",
+            (c.kv_lora_rank, h, c.qk_nope_head_dim + c.v_head_dim),
+            ("kv_lora", "heads", "kv"),
+            c,
+        )
+        self.o_proj = kernel(self, "o_proj", (h, c.v_head_dim, d), ("heads", "kv", "embed"), c)
+
+    def queries(self, x: Array, rope: Rope) -> tuple[Array, Array]:
+        """Per-head query parts: nope [B, T, H, Dn] and rotated rope [B, T, H, R]."""
+        c = self.config
+        if c.q_lora_rank is None:
+            q = jnp.einsum("btd,dhk->bthk", x, self.q_proj)
+        else:
+            q_latent = self.q_a_norm(jnp.einsum("btd,dr->btr", x, self.q_a_proj))
+            q = jnp.einsum("btr,rhk->bthk", q_latent, self.q_b_proj)
+        q = constrain(q, BTHK)
+        q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+        return q_nope, apply_rope(q_rope, rope, c.rope_interleave)
+
+    def latents(self, x: Array, rope: Rope) -> tuple[Array, Array]:
+        """What the KV cache stores: normed kv_latent [B, T, C] and rotated k_rope [B, T, R]."""
+        c = self.config
+        kv = jnp.einsum("btd,dc->btc", x, self.kv_a_proj)
+        kv_latent = self.kv_a_norm(kv[..., : c.kv_lora_rank])
+        k_rope = apply_rope(kv[..., None, c.kv_lora_rank :], rope, c.rope_interleave)[:, :, 0]
+        return kv_latent, k_rope
+
+    def __call__(self, x: Array, rope: Rope, segment_ids: Array | None) -> Array:
+        c = self.config
+        b, t, _ = x.shape
+        q_nope, q_rope = self.queries(x, rope)
+        kv_latent, k_rope = self.latents(x, rope)
+        kv = jnp.einsum("btc,chk->bthk", kv_latent, self.kv_b_proj)
+        kv = constrain(kv, BTHK)
+        k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim :]
+        # Scores from the two query parts; the rope key is shared by all heads.
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
+        scores += jnp.einsum("bqhr,bkr->bhqk", q_rope, k_rope, preferred_element_type=jnp.float32)
+        scores *= c.softmax_scale
+        mask = attention_mask(segment_ids, b, t)
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(c.jnp_dtype)
+        out = jnp.einsum("bhqk,bkhv->bqhv", probs, v)
+        out = constrain(out, BTHK)
+        return jnp.einsum("bthv,hvd->btd", out, self.o_proj)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    config: ModelConfig
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        c = self.config
+        d = x.shape[-1]
+        gate = kernel(self, "gate_proj", (d, self.hidden), ("embed", "mlp"), c)
+        up = kernel(self, "up_proj", (d, self.hidden), ("embed", "mlp"), c)
+        down = kernel(self, "down_proj", (self.hidden, d), ("mlp", "embed"), c)
+        h = jax.nn.silu(x @ gate) * (x @ up)
+        h = constrain(h, ("act_batch", "act_length", "act_mlp"))
+        return h @ down

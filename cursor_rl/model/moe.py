@@ -1,0 +1,352 @@
+"""DeepSeek-V3 mixture of experts: sigmoid group-limited routing, dropless dispatch.
+
+Steps, each in its own ``jax.named_scope`` so profiles read like this list:
+
+1. ``route``: sigmoid scores; a per-expert correction bias (non-trainable, in the
+   ``router`` collection) is added *only* to choose experts: pick the ``topk_group``
+   best groups (group score = sum of its two best biased scores), then the top-k
+   experts inside them. Combine weights come from the un-biased scores, optionally
+   normalised, times ``routed_scaling_factor`` (DeepSeek-V3 eqs. 12-16).
+2. ``permute``: sort (token, slot) assignments by expert; with expert parallelism,
+   send each expert's rows to the device holding it (``all_to_all``).
+3. ``experts``: SwiGLU per expert over its contiguous rows (``ragged_dot``, or
+   fixed-size row blocks with a batched matmul, which XLA:CPU runs faster).
+4. ``unpermute``: the inverse, then the weighted sum over each token's k slots.
+
+Nothing is dropped: buffers are sized for the worst case, so results equal the
+dense reference (every expert on every token) up to float rounding.
+
+Balance: ``update_router_bias`` is the aux-loss-free sign rule (DeepSeek-V3
+sec. 2.1.2) that the trainer applies after each optimizer step with the load this
+layer reports; an optional sequence-wise balance loss (eq. 17-20) is returned too.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from cursor_rl import partitioning
+from cursor_rl.model.config import ModelConfig
+from cursor_rl.model.layers import MLP, kernel
+
+Array = jax.Array
+
+
+# ---- routing ------------------------------------------------------------------------
+
+
+def route(
+    config: ModelConfig, x: Array, router_kernel: Array, router_bias: Array
+) -> tuple[Array, Array, Array]:
+    """Chooses experts for each token.
+
+    Args:
+      config: model config.
+      x: tokens [N, D].
+      router_kernel: [D, E].
+      router_bias: correction bias [E], used only for the choice.
+
+    Returns:
+      topk_idx [N, K] int32, topk_weight [N, K] float32 and the sigmoid scores [N, E].
+    """
+    c = config
+    logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
+    scores = jax.nn.sigmoid(logits)
+    biased = scores + router_bias.astype(jnp.float32)
+    if c.n_group > 1:
+        n = biased.shape[0]
+        grouped = biased.reshape(n, c.n_group, c.n_routed_experts // c.n_group)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
+        _, group_idx = jax.lax.top_k(group_scores, c.topk_group)
+        group_mask = (
+            jnp.zeros((n, c.n_group), jnp.bool_).at[jnp.arange(n)[:, None], group_idx].set(True)
+        )
+        expert_mask = jnp.repeat(group_mask, c.n_routed_experts // c.n_group, axis=1)
+        biased = jnp.where(expert_mask, biased, -jnp.inf)
+    _, topk_idx = jax.lax.top_k(biased, c.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, topk_idx, axis=-1)
+    if c.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return topk_idx.astype(jnp.int32), weights * c.routed_scaling_factor, scores
+
+
+def expert_load(topk_idx: Array, num_experts: int, valid: Array | None = None) -> Array:
+    """Assignments per expert [E] (float32), counting only ``valid`` tokens."""
+    ones = jnp.ones(topk_idx.shape, jnp.float32)
+    if valid is not None:
+        ones = ones * valid[:, None].astype(jnp.float32)
+    return jnp.zeros((num_experts,), jnp.float32).at[topk_idx.reshape(-1)].add(ones.reshape(-1))
+
+
+def sequence_balance_loss(
+    config: ModelConfig, scores: Array, topk_idx: Array, valid: Array
+) -> Array:
+    """DeepSeek-V3 eq. 17-20, averaged over the rows of the batch (unscaled by alpha).
+
+    Args:
+      scores: sigmoid scores [B, T, E]; topk_idx: [B, T, K]; valid: [B, T] bool.
+    """
+    e, k = config.n_routed_experts, config.num_experts_per_tok
+    validf = valid.astype(jnp.float32)
+    count = jnp.maximum(validf.sum(-1), 1.0)  # [B]
+    chosen = jax.nn.one_hot(topk_idx, e, dtype=jnp.float32).sum(-2)  # [B, T, E]
+    f = (e / k) * (chosen * validf[..., None]).sum(1) / count[:, None]
+    normed = scores / (scores.sum(-1, keepdims=True) + 1e-20)
+    p = (normed * validf[..., None]).sum(1) / count[:, None]
+    return jnp.mean((f * p).sum(-1))
+
+
+def update_router_bias(router_bias: Array, load: Array, rate: float) -> Array:
+    """Aux-loss-free balancing: b_i += rate * sign(mean load - load_i).
+
+    Overloaded experts become less likely to be chosen, underloaded ones more.
+    Works on one layer [E] or stacked layers [L, E] (mean over the last axis).
+    """
+    load = load.astype(jnp.float32)
+    error = jnp.mean(load, axis=-1, keepdims=True) - load
+    return (router_bias + rate * jnp.sign(error)).astype(router_bias.dtype)
+
+
+# ---- expert computation over sorted rows -------------------------------------------
+
+
+def _swiglu_ragged(xs: Array, group_sizes: Array, wg: Array, wu: Array, wd: Array) -> Array:
+    """Rows of xs [M, D] grouped by expert (sizes [G]); rows past the groups give 0."""
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, group_sizes)) * jax.lax.ragged_dot(
+        xs, wu, group_sizes
+    )
+    return jax.lax.ragged_dot(h, wd, group_sizes)
+
+
+def _swiglu_blocked(
+    xs: Array, group_sizes: Array, wg: Array, wu: Array, wd: Array, block: int
+) -> Array:
+    """Same contract as ``_swiglu_ragged``, as a batched matmul over fixed-size blocks.
+
+    Each expert's rows are padded to a multiple of ``block``; every block then has
+    one expert, whose weights are gathered per block. The block count is a static
+    upper bound (M / block + G), so shapes stay fixed while nothing is dropped.
+    """
+    m, d = xs.shape
+    g = group_sizes.shape[0]
+    num_blocks = -(-m // block) + g
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    padded = (group_sizes + block - 1) // block * block
+    padded_ends = jnp.cumsum(padded)
+    padded_starts = padded_ends - padded
+    row_group = jnp.searchsorted(ends, jnp.arange(m), side="right")  # G for trailing rows
+    in_group = row_group < g
+    safe_group = jnp.minimum(row_group, g - 1)
+    dest = jnp.where(
+        in_group, padded_starts[safe_group] + jnp.arange(m) - starts[safe_group], num_blocks * block
+    )
+    xb = jnp.zeros((num_blocks * block, d), xs.dtype).at[dest].set(xs, mode="drop")
+    xb = xb.reshape(num_blocks, block, d)
+    block_group = jnp.minimum(
+        jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right"), g - 1
+    )
+    h = jax.nn.silu(jnp.einsum("nbd,ndf->nbf", xb, wg[block_group])) * jnp.einsum(
+        "nbd,ndf->nbf", xb, wu[block_group]
+    )
+    yb = jnp.einsum("nbf,nfd->nbd", h, wd[block_group]).reshape(num_blocks * block, -1)
+    return jnp.take(yb, dest, axis=0, mode="fill", fill_value=0)
+
+
+def _expert_ffn(impl: str, block: int):
+    if impl == "ragged":
+        return _swiglu_ragged
+    return functools.partial(_swiglu_blocked, block=block)
+
+
+def _dispatch_local(
+    x: Array,
+    topk_idx: Array,
+    topk_weight: Array,
+    wg: Array,
+    wu: Array,
+    wd: Array,
+    *,
+    num_experts: int,
+    impl: str,
+    block: int,
+    expert_axis: str | None,
+    expert_shards: int,
+    tensor_axis: str | None,
+) -> Array:
+    """Routed-expert output for this device's tokens x [N, D] (dropless).
+
+    ``wg/wu/wd`` hold this device's experts ([E/expert_shards, ...]) and, under
+    tensor parallelism, its slice of the expert hidden size; partial sums over
+    that slice are reduced over ``tensor_axis`` at the end.
+    """
+    n, k = topk_idx.shape
+    num_assign = n * k
+    ffn = _expert_ffn(impl, block)
+    with jax.named_scope("permute"):
+        flat_expert = topk_idx.reshape(-1)
+        order = jnp.argsort(flat_expert, stable=True)
+        sorted_expert = flat_expert[order]
+        rows = x[order // k]  # [A, D] grouped by expert
+    if expert_shards == 1:
+        with jax.named_scope("experts"):
+            group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat_expert].add(1)
+            out_sorted = ffn(rows, group_sizes, wg, wu, wd)
+    else:
+        local_experts = num_experts // expert_shards
+        with jax.named_scope("permute"):
+            # Row slot on the destination: assignments for device s are contiguous
+            # in sorted order; a buffer of num_assign rows per peer never overflows.
+            dest = sorted_expert // local_experts
+            per_dest = jnp.zeros((expert_shards,), jnp.int32).at[dest].add(1)
+            slot = jnp.arange(num_assign) - (jnp.cumsum(per_dest) - per_dest)[dest]
+            send_x = jnp.zeros((expert_shards, num_assign, x.shape[-1]), x.dtype)
+            send_x = send_x.at[dest, slot].set(rows)
+            send_e = jnp.full((expert_shards, num_assign), local_experts, jnp.int32)
+            send_e = send_e.at[dest, slot].set(sorted_expert - dest * local_experts)
+            recv_x = jax.lax.all_to_all(send_x, expert_axis, 0, 0, tiled=False)
+            recv_e = jax.lax.all_to_all(send_e, expert_axis, 0, 0, tiled=False)
+            recv_e = recv_e.reshape(-1)  # padding rows carry id local_experts
+            order2 = jnp.argsort(recv_e, stable=True)
+            group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[recv_e].add(1)
+            group_sizes = group_sizes[:local_experts]
+            recv_rows = recv_x.reshape(-1, x.shape[-1])[order2]
+        with jax.named_scope("experts"):
+            out_rows = ffn(recv_rows, group_sizes, wg, wu, wd)
+        with jax.named_scope("unpermute"):
+            back = jnp.zeros_like(out_rows).at[order2].set(out_rows)
+            back = back.reshape(expert_shards, num_assign, -1)
+            back = jax.lax.all_to_all(back, expert_axis, 0, 0, tiled=False)
+            out_sorted = back[dest, slot]
+    with jax.named_scope("unpermute"):
+        out = jnp.zeros((num_assign, out_sorted.shape[-1]), out_sorted.dtype)
+        out = out.at[order].set(out_sorted).reshape(n, k, -1)
+        y = jnp.einsum("nkd,nk->nd", out, topk_weight.astype(out.dtype))
+        if tensor_axis is not None:
+            y = jax.lax.psum(y, tensor_axis)
+    return y
+
+
+def _dense_reference(x: Array, topk_idx: Array, topk_weight: Array, wg, wu, wd) -> Array:
+    """Every expert on every token, combined with the routing weights (for tests)."""
+    h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, wg)) * jnp.einsum("nd,edf->enf", x, wu)
+    y = jnp.einsum("enf,efd->end", h, wd)
+    combine = jnp.einsum(
+        "nke,nk->ne", jax.nn.one_hot(topk_idx, wg.shape[0], dtype=y.dtype), topk_weight
+    )
+    return jnp.einsum("end,ne->nd", y, combine.astype(y.dtype))
+
+
+def resolve_impl(impl: str) -> str:
+    if impl == "auto":
+        return "blocked" if jax.default_backend() == "cpu" else "ragged"
+    return impl
+
+
+def routed_experts(
+    config: ModelConfig, x: Array, topk_idx: Array, topk_weight: Array, wg, wu, wd
+) -> Array:
+    """Routed-expert output for tokens x [N, D], on whatever mesh is current."""
+    impl = resolve_impl(config.moe_impl)
+    if impl == "dense":
+        return _dense_reference(x, topk_idx, topk_weight, wg, wu, wd)
+    mesh = jax.sharding.get_abstract_mesh()
+    kwargs = dict(num_experts=config.n_routed_experts, impl=impl, block=config.moe_block_size)
+    if mesh.empty:
+        return _dispatch_local(
+            x, topk_idx, topk_weight, wg, wu, wd,
+            expert_axis=None, expert_shards=1, tensor_axis=None, **kwargs,
+        )  # fmt: skip
+    rules = dict(nn.get_logical_axis_rules())
+    token_axes = _present(mesh, rules.get("act_batch", partitioning.BATCH_AXES))
+    expert_axes = _present(mesh, rules.get("expert"))
+    mlp_axes = _present(mesh, rules.get("mlp"))
+    if len(expert_axes) > 1 or len(mlp_axes) > 1:
+        raise ValueError("expert and mlp must each map to at most one mesh axis for MoE dispatch")
+    expert_axis = expert_axes[0] if expert_axes else None
+    tensor_axis = mlp_axes[0] if mlp_axes else None
+    expert_shards = partitioning.mesh_axis_size(mesh, expert_axes)
+    if config.n_routed_experts % expert_shards:
+        raise ValueError(
+            f"n_routed_experts={config.n_routed_experts} must divide over {expert_shards} devices"
+        )
+    # Token count must split evenly over the token axes: pad with zero-weight rows.
+    shards = partitioning.mesh_axis_size(mesh, token_axes)
+    n = x.shape[0]
+    pad = (-n) % shards
+    if pad:
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        topk_idx = jnp.pad(topk_idx, ((0, pad), (0, 0)))
+        topk_weight = jnp.pad(topk_weight, ((0, pad), (0, 0)))
+    tok = P(token_axes or None)
+    w_in, w_out = P(expert_axis, None, tensor_axis), P(expert_axis, tensor_axis, None)
+    fn = functools.partial(
+        _dispatch_local,
+        expert_axis=expert_axis,
+        expert_shards=expert_shards,
+        tensor_axis=tensor_axis,
+        **kwargs,
+    )
+    y = jax.shard_map(
+        fn,
+        in_specs=(tok, tok, tok, w_in, w_in, w_out),
+        out_specs=tok,
+        check_vma=False,
+    )(x, topk_idx, topk_weight, wg, wu, wd)
+    return y[:n]
+
+
+def _present(mesh, axes) -> tuple[str, ...]:
+    """The mesh axes among ``axes`` that the mesh has with size > 1."""
+    if axes is None:
+        return ()
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    shape = dict(mesh.shape)
+    return tuple(a for a in axes if shape.get(a, 1) > 1)
+
+
+class MoE(nn.Module):
+    """Routed experts plus shared experts. Returns (y, expert_load [E], balance_loss)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: Array, valid: Array) -> tuple[Array, Array, Array]:
+        c = self.config
+        b, t, d = x.shape
+        e, f = c.n_routed_experts, c.moe_intermediate_size
+        router_kernel = self.param(
+            "router",
+            nn.with_logical_partitioning(
+                nn.initializers.normal(c.initializer_range), ("embed", "router")
+            ),
+            (d, e),
+            jnp.float32,  # routing decisions stay fp32, as in DeepSeek-V3
+        )
+        router_bias = self.variable("router", "bias", lambda: jnp.zeros((e,), jnp.float32)).value
+        wg = kernel(self, "gate_proj", (e, d, f), ("expert", "embed", "mlp"), c)
+        wu = kernel(self, "up_proj", (e, d, f), ("expert", "embed", "mlp"), c)
+        wd = kernel(self, "down_proj", (e, f, d), ("expert", "mlp", "embed"), c)
+
+        tokens = x.reshape(b * t, d)
+        with jax.named_scope("route"):
+            topk_idx, topk_weight, scores = route(c, tokens, router_kernel, router_bias)
+            load = expert_load(topk_idx, e, valid.reshape(-1))
+            if c.aux_loss_coef > 0:
+                balance = sequence_balance_loss(
+                    c,
+                    scores.reshape(b, t, e),
+                    topk_idx.reshape(b, t, -1),
+                    valid,
+                )
+            else:
+                balance = jnp.zeros((), jnp.float32)
+        y = routed_experts(c, tokens, topk_idx, topk_weight, wg, wu, wd).reshape(b, t, d)
+        if c.n_shared_experts:
+            y = y + MLP(c, f * c.n_shared_experts, name="shared")(x)
+        return y, load, balance

@@ -1,0 +1,257 @@
+"""The decoder stack and the model's public functions (``init``, ``forward``, ...).
+
+Layout of the variables (``scan_layers=True``; every leaf of a stack has a leading
+``layers`` axis)::
+
+    params:
+      embed/embedding            [V, D]
+      dense_layers/...           first_k_dense layers (attention + SwiGLU MLP)
+      moe_layers/...             the rest (attention + MoE)
+      final_norm/scale           [D]
+      lm_head                    [D, V]   (absent when tie_word_embeddings)
+    router:
+      moe_layers/moe/bias        [L_moe, E]   the correction bias, not trained by the optimizer
+
+With ``scan_layers=False`` the stacks become ``dense_layers_0``, ``moe_layers_0``,
+...; ``stack_layers``/``unstack_layers`` convert between the two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from cursor_rl import partitioning
+from cursor_rl.model.config import ModelConfig
+from cursor_rl.model.layers import BTE, MLA, MLP, RMSNorm, Rope, constrain, rope_tables
+from cursor_rl.model.moe import MoE
+
+Array = jax.Array
+Variables = dict[str, Any]
+
+STACKS = ("dense_layers", "moe_layers")
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is MoE or dense."""
+
+    config: ModelConfig
+    moe: bool
+
+    @nn.compact
+    def __call__(self, x: Array, rope: Rope, segment_ids: Array | None, valid: Array):
+        c = self.config
+        h = RMSNorm(c.rms_norm_eps, c.jnp_param_dtype, name="input_norm")(x)
+        x = x + MLA(c, name="attn")(h, rope, segment_ids)
+        x = constrain(x, BTE)
+        h = RMSNorm(c.rms_norm_eps, c.jnp_param_dtype, name="post_attn_norm")(x)
+        if self.moe:
+            y, load, balance = MoE(c, name="moe")(h, valid)
+        else:
+            y = MLP(c, c.intermediate_size, name="mlp")(h)
+            load = jnp.zeros((max(c.n_routed_experts, 1),), jnp.float32)
+            balance = jnp.zeros((), jnp.float32)
+        x = constrain(x + y, BTE)
+        return x, {"expert_load": load, "balance_loss": balance}
+
+
+class _ScanBody(nn.Module):
+    """DecoderLayer in nn.scan's (carry, xs) -> (carry, ys) form."""
+
+    config: ModelConfig
+    moe: bool
+
+    @nn.compact
+    def __call__(self, x, rope, segment_ids, valid):
+        layer_cls = _maybe_remat(DecoderLayer, self.config)
+        return layer_cls(self.config, self.moe, name="layer")(x, rope, segment_ids, valid)
+
+
+def _maybe_remat(cls, config: ModelConfig):
+    if config.remat_policy == "none":
+        return cls
+    return nn.remat(cls, policy=_REMAT_POLICIES[config.remat_policy], prevent_cse=False)
+
+
+class Transformer(nn.Module):
+    config: ModelConfig
+
+    def _stack(self, name: str, moe: bool, count: int, x, rope, segment_ids, valid):
+        c = self.config
+        if count == 0:
+            return x, None
+        if c.scan_layers:
+            scanned = nn.scan(
+                _ScanBody,
+                variable_axes={"params": 0, "router": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                length=count,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            return scanned(c, moe, name=name)(x, rope, segment_ids, valid)
+        layer_cls = _maybe_remat(DecoderLayer, c)
+        outs = []
+        for i in range(count):
+            x, aux = layer_cls(c, moe, name=f"{name}_{i}")(x, rope, segment_ids, valid)
+            outs.append(aux)
+        return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+    @nn.compact
+    def __call__(
+        self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None
+    ) -> tuple[Array, dict[str, Array]]:
+        c = self.config
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        # Segment id 0 marks padding: it attends only to itself and counts in no statistic.
+        valid = jnp.ones((b, t), jnp.bool_) if segment_ids is None else segment_ids != 0
+        embedding = self.param(
+            "embed",
+            nn.with_logical_partitioning(
+                nn.initializers.normal(c.initializer_range), ("vocab", "embed")
+            ),
+            (c.vocab_size, c.hidden_size),
+            c.jnp_param_dtype,
+        )
+        x = jnp.take(embedding, tokens, axis=0).astype(c.jnp_dtype)
+        x = constrain(x, BTE)
+        rope = rope_tables(c, positions)
+        x, _ = self._stack("dense_layers", False, c.first_k_dense, x, rope, segment_ids, valid)
+        x, moe_aux = self._stack("moe_layers", True, c.num_moe_layers, x, rope, segment_ids, valid)
+        x = RMSNorm(c.rms_norm_eps, c.jnp_param_dtype, name="final_norm")(x)
+        if c.tie_word_embeddings:
+            head = embedding.T
+        else:
+            head = self.param(
+                "lm_head",
+                nn.with_logical_partitioning(
+                    nn.initializers.normal(c.initializer_range), ("embed", "vocab")
+                ),
+                (c.hidden_size, c.vocab_size),
+                c.jnp_param_dtype,
+            )
+        logits = jnp.einsum(
+            "btd,dv->btv", x, head.astype(c.jnp_dtype), preferred_element_type=jnp.float32
+        )
+        logits = constrain(logits, ("act_batch", "act_length", "act_vocab"))
+        if moe_aux is None:
+            aux = {
+                "expert_load": jnp.zeros((0, c.n_routed_experts), jnp.float32),
+                "balance_loss": jnp.zeros((), jnp.float32),
+            }
+        else:
+            aux = {
+                "expert_load": moe_aux["expert_load"],  # [L_moe, E]
+                "balance_loss": moe_aux["balance_loss"].sum() * c.aux_loss_coef,
+            }
+        return logits, aux
+
+
+# ---- public functions -------------------------------------------------------------
+
+
+def _dummy_tokens() -> Array:
+    return jnp.zeros((1, 1), jnp.int32)
+
+
+def abstract_variables(config: ModelConfig) -> Variables:
+    """Shapes/dtypes of the variables, still boxed with their logical axis names."""
+    return jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), _dummy_tokens()))
+
+
+def variable_shardings(
+    config: ModelConfig, mesh: jax.sharding.Mesh, rules: partitioning.LogicalRules
+) -> Variables:
+    """NamedShardings for ``init``'s output on ``mesh`` under ``rules``."""
+    return partitioning.tree_shardings(abstract_variables(config), mesh, rules)
+
+
+def init(
+    config: ModelConfig,
+    rng: Array,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: partitioning.LogicalRules = partitioning.DEFAULT_RULES,
+) -> Variables:
+    """Fresh variables ``{"params": ..., "router": ...}`` as plain arrays.
+
+    With ``mesh``, each array is created directly in its sharding (no host copy).
+    """
+    config.validate()
+
+    def _init(key):
+        return nn.meta.unbox(Transformer(config).init(key, _dummy_tokens()))
+
+    if mesh is None:
+        return jax.jit(_init)(rng)
+    shardings = variable_shardings(config, mesh, rules)
+    with partitioning.use_mesh(mesh, rules):
+        return jax.jit(_init, out_shardings=nn.meta.unbox(shardings))(rng)
+
+
+def forward_with_aux(
+    config: ModelConfig,
+    variables: Variables,
+    tokens: Array,
+    positions: Array | None = None,
+    segment_ids: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """Logits float32[B, T, V] and aux outputs.
+
+    Aux: ``expert_load`` [L_moe, E] (assignments per expert, padding excluded) and
+    ``balance_loss`` (the sequence-wise balance loss times ``aux_loss_coef``).
+    """
+    return Transformer(config).apply(variables, tokens, positions, segment_ids)
+
+
+def forward(
+    config: ModelConfig,
+    variables: Variables,
+    tokens: Array,
+    positions: Array | None = None,
+    segment_ids: Array | None = None,
+) -> Array:
+    """Logits float32[B, T, V] for tokens [B, T] (positions and segment ids optional)."""
+    return forward_with_aux(config, variables, tokens, positions, segment_ids)[0]
+
+
+# ---- layouts ----------------------------------------------------------------------
+
+
+def unstack_layers(tree: dict[str, Any]) -> dict[str, Any]:
+    """One collection, scanned layout -> a subtree per layer (``moe_layers_0``, ...)."""
+    out = {}
+    for key, value in tree.items():
+        if key in STACKS:
+            count = jax.tree.leaves(value)[0].shape[0]
+            for i in range(count):
+                out[f"{key}_{i}"] = jax.tree.map(lambda a, i=i: a[i], value["layer"])
+        else:
+            out[key] = value
+    return out
+
+
+def stack_layers(tree: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of ``unstack_layers``."""
+    out: dict[str, Any] = {}
+    per_stack: dict[str, dict[int, Any]] = {}
+    for key, value in tree.items():
+        stack, _, index = key.rpartition("_")
+        if stack in STACKS and index.isdigit():
+            per_stack.setdefault(stack, {})[int(index)] = value
+        else:
+            out[key] = value
+    for stack, layers in per_stack.items():
+        ordered = [layers[i] for i in range(len(layers))]
+        out[stack] = {"layer": jax.tree.map(lambda *a: jnp.stack(a), *ordered)}
+    return out

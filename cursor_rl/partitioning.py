@@ -1,0 +1,212 @@
+"""Mesh axes, logical-axis rules and mesh construction.
+
+This is the only module that names mesh axes. Layers annotate parameters and
+activations with *logical* axis names (``embed``, ``heads``, ``expert``,
+``act_batch``, ...); the rules below map each logical name onto zero or more mesh
+axes. Configs may override individual rules (``mesh.rules`` in a config) or pick
+a named preset.
+
+Mesh axes, outermost (slowest links) first:
+
+* ``data``    pure data parallelism; the only axis that may span slices (DCN).
+* ``fsdp``    data parallelism with parameters and optimizer state sharded (ZeRO-3).
+* ``context`` sequence sharding for long contexts (reserved: no rule uses it by default).
+* ``expert``  expert parallelism: routed experts are split over it; outside the MoE
+              layers it acts as extra data parallelism.
+* ``tensor``  Megatron-style tensor parallelism (heads, MLP hidden, vocab).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "context", "expert", "tensor")
+
+# Mesh axes that split the batch of activations outside the MoE layers.
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+
+LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+# Parameters use bare names; activations use ``act_``-prefixed names so the two can be
+# sharded differently (e.g. parameter ``embed`` over fsdp, activation ``act_embed``
+# replicated).
+DEFAULT_RULES: LogicalRules = (
+    # Parameters.
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("q_lora", None),
+    ("kv_lora", None),
+    ("mlp", "tensor"),
+    ("expert", "expert"),
+    ("router", None),
+    ("norm", None),
+    ("layers", None),
+    # Activations.
+    ("act_batch", BATCH_AXES),
+    ("act_length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv", None),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+    # Cache (sampler): batch of sequences over the batch axes, latent replicated.
+    ("cache_batch", BATCH_AXES),
+    ("cache_length", None),
+    ("cache_latent", None),
+)
+
+# Named presets, so configs can say ``mesh.rules_preset = "..."``.
+_PRESETS: dict[str, LogicalRules] = {
+    "default": DEFAULT_RULES,
+    # Long context: split the sequence of activations over the context axis.
+    "long_context": tuple(
+        (name, "context") if name == "act_length" else (name, axes) for name, axes in DEFAULT_RULES
+    ),
+}
+
+
+def rules_preset(name: str) -> LogicalRules:
+    """Returns the logical-axis rules registered under ``name``."""
+    if name not in _PRESETS:
+        raise ValueError(f"mesh.rules_preset={name!r} is not one of {sorted(_PRESETS)}")
+    return _PRESETS[name]
+
+
+def make_rules(
+    preset: str = "default", overrides: Mapping[str, str | Sequence[str] | None] | None = None
+) -> LogicalRules:
+    """Builds rules from a preset with per-name overrides (``{"embed": None}``)."""
+    rules = dict(rules_preset(preset))
+    for name, axes in (overrides or {}).items():
+        if name not in rules:
+            raise ValueError(f"mesh.rules: unknown logical axis {name!r}; known: {sorted(rules)}")
+        if isinstance(axes, str | type(None)):
+            _check_axes([axes] if axes else [])
+            rules[name] = axes
+        else:
+            _check_axes(axes)
+            rules[name] = tuple(axes)
+    return tuple(rules.items())
+
+
+def _check_axes(axes: Sequence[str]) -> None:
+    for axis in axes:
+        if axis not in MESH_AXES:
+            raise ValueError(f"unknown mesh axis {axis!r}; mesh axes are {MESH_AXES}")
+
+
+def resolve_mesh_shape(shape: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    """Fills the one ``-1`` entry of ``shape`` so the product equals ``num_devices``.
+
+    Axes missing from ``shape`` get size 1. Raises ValueError naming the axis when
+    the shape cannot be satisfied.
+    """
+    for axis in shape:
+        _check_axes([axis])
+    sizes = {axis: int(shape.get(axis, 1)) for axis in MESH_AXES}
+    free = [axis for axis, size in sizes.items() if size == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh: at most one axis may be -1, got {free}")
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ValueError(f"mesh.{axis}={size} must be positive or -1")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if free:
+        if num_devices % fixed:
+            raise ValueError(
+                f"mesh: {num_devices} devices are not divisible by the fixed axes' product {fixed}"
+            )
+        sizes[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ValueError(f"mesh: axes multiply to {fixed} but there are {num_devices} devices")
+    return sizes
+
+
+def make_mesh(
+    ici: Mapping[str, int] | None = None,
+    dcn: Mapping[str, int] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Builds a device mesh over ``MESH_AXES``.
+
+    Args:
+      ici: axis sizes within a slice (``-1`` once to take the remaining devices);
+        defaults to pure data parallelism.
+      dcn: axis sizes across slices (multi-slice TPU); only ``data`` may be > 1.
+      devices: defaults to ``jax.devices()``.
+
+    Returns:
+      A mesh with auto-sharded axes, named ``MESH_AXES``.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    dcn_sizes = {axis: 1 for axis in MESH_AXES}
+    for axis, size in (dcn or {}).items():
+        _check_axes([axis])
+        if size != 1 and axis != "data":
+            raise ValueError(f"mesh.dcn.{axis}={size}: only 'data' may span slices")
+        dcn_sizes[axis] = int(size)
+    num_slices = math.prod(dcn_sizes.values())
+    if len(devices) % num_slices:
+        raise ValueError(f"{len(devices)} devices do not split into {num_slices} slices")
+    ici_sizes = resolve_mesh_shape(ici or {"data": -1}, len(devices) // num_slices)
+    ici_shape = [ici_sizes[a] for a in MESH_AXES]
+    if num_slices > 1:
+        from jax.experimental import mesh_utils
+
+        device_array = mesh_utils.create_hybrid_device_mesh(
+            ici_shape, [dcn_sizes[a] for a in MESH_AXES], devices=devices
+        )
+    elif devices[0].platform in ("tpu", "gpu") and len(devices) == len(jax.devices()):
+        from jax.experimental import mesh_utils
+
+        device_array = mesh_utils.create_device_mesh(ici_shape, devices=devices)
+    else:
+        device_array = np.asarray(devices, dtype=object).reshape(ici_shape)
+    return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def mesh_axis_size(mesh: Mesh | jax.sharding.AbstractMesh, axes: str | Sequence[str]) -> int:
+    """Product of the sizes of ``axes`` in ``mesh`` (1 for axes it lacks)."""
+    axes = (axes,) if isinstance(axes, str) else axes
+    shape = dict(mesh.shape)
+    return math.prod(shape.get(axis, 1) for axis in axes)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Iterator[Mesh]:
+    """Makes ``mesh`` and ``rules`` current for tracing (jit, logical constraints, shard_map)."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield mesh
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: LogicalRules) -> PartitionSpec:
+    """Maps a tuple of logical axis names to a PartitionSpec."""
+    return nn.logical_to_mesh_axes(tuple(logical_axes), rules)
+
+
+def logical_sharding(
+    logical_axes: Sequence[str | None], mesh: Mesh, rules: LogicalRules
+) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical_axes, rules))
+
+
+def tree_shardings(abstract_tree, mesh: Mesh, rules: LogicalRules):
+    """NamedShardings for a pytree of (possibly ``LogicallyPartitioned``) leaves.
+
+    Leaves without logical annotations are replicated.
+    """
+    specs = nn.get_partition_spec(abstract_tree)
+    return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())

@@ -1,0 +1,46 @@
+"""cursor_rl: train coding agents the Composer 2 way, in JAX.
+
+Versions are bounded here and pinned exactly in `constraints.txt`, which the
+launch scripts pass to pip so a fresh install resolves quickly and the same way
+every time.
+"""
+
+import setuptools
+
+_CORE = [
+    "jax>=0.10.2,<0.11",
+    "flax>=0.12.8,<0.13",
+    "optax>=0.2.8,<0.3",
+    "orbax-checkpoint>=0.12.8,<0.13",
+    "grain>=0.2.18,<0.3",
+    "ml-collections>=1.1.0,<1.2",
+    "tensorstore>=0.1.86,<0.2",
+    "tokenizers>=0.23,<0.24",
+    "safetensors>=0.8,<0.9",
+    "numpy>=2.0,<3",
+    "absl-py>=2.1,<3",
+    "tensorboardX>=2.6,<2.7",
+]
+
+_EXTRAS = {
+    # TPU: libtpu lets JAX run on TPU VMs and compile ahead-of-time for TPU topologies.
+    "tpu": ["jax[tpu]>=0.10.2,<0.11"],
+    # NVIDIA GPUs (CUDA 12 wheels from PyPI).
+    "gpu": ["jax[cuda12]>=0.10.2,<0.11"],
+    # Hugging Face parity tests and conversion. torch is pinned: an unpinned torch
+    # resolves to a multi-GB CUDA build; 2.13.0 is the CPU wheel.
+    "hf": ["torch==2.13.0", "transformers>=5.0,<6"],
+    "seqio": ["seqio==0.0.20"],
+    "xm": ["xmanager==0.8.5.post1"],
+    "test": ["pytest>=8,<10", "ruff>=0.17,<0.18", "matplotlib>=3.8,<4"],
+}
+
+setuptools.setup(
+    name="cursor_rl",
+    version="0.1.0",
+    description="Continued pretraining and agentic RL for coding models, JAX-native.",
+    packages=setuptools.find_packages(include=["cursor_rl", "cursor_rl.*"]),
+    python_requires=">=3.11",
+    install_requires=_CORE,
+    extras_require=_EXTRAS,
+)

@@ -1,0 +1,23 @@
+"""Test setup: an emulated 8-device CPU mesh, set before jax is imported anywhere."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+# Keep XLA's warnings about tiny test shardings out of the test log.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        skip = pytest.mark.skip(reason="needs the hf extra (torch + transformers)")
+        for item in items:
+            if "hf" in item.keywords:
+                item.add_marker(skip)
