@@ -3,7 +3,18 @@
 A tokenizer trained here is saved as ``tokenizer.json`` (the standard HF format)
 in ``WORKDIR/tokenizer/`` and loaded by every later stage and by the sampler; an
 HF ``tokenizer.json`` from a real model loads the same way (its own special
-tokens are kept, and the chat tokens must then be present or mapped).
+tokens are kept; ``add_missing_special_tokens`` appends the chat tokens it lacks,
+after which the model's embedding must grow to ``vocab_size``).
+
+Design choices:
+
+1. Special tokens are structure, never text: ``encode`` treats a literal
+   ``"<|end|>"`` inside a file or a tool observation as ordinary characters, so a
+   document (or an adversarial tool output) cannot forge a turn boundary. Only
+   ``special_id`` produces special ids; the chat renderer places them.
+2. Training takes a character budget (``max_chars``): BPE merges stabilise after a
+   few MB of code, so training on a seeded sample of the corpus takes seconds
+   instead of tokenising everything.
 
 Pure Python, no JAX: the harness (``cursor_rl.env``) uses it on CPU-only workers.
 """
@@ -42,6 +53,8 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer: tokenizers.Tokenizer):
         self._tok = hf_tokenizer
+        # Choice 1: special-token strings in text are encoded as plain characters.
+        self._tok.encode_special_tokens = True
         self._special = {}
         for token in SPECIAL_TOKENS:
             token_id = self._tok.token_to_id(token)
@@ -51,8 +64,25 @@ class Tokenizer:
     # ---- construction ---------------------------------------------------------------
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
-        """Trains byte-level BPE on ``texts``; special tokens take the first ids."""
+    def train(
+        cls,
+        texts: Iterable[str],
+        vocab_size: int,
+        min_frequency: int = 2,
+        max_chars: int | None = None,
+    ) -> Tokenizer:
+        """Trains byte-level BPE on ``texts``; special tokens take the first ids.
+
+        Args:
+          texts: training documents (any iterable; consumed lazily).
+          vocab_size: the vocabulary size including the special tokens.
+          min_frequency: a pair must occur this often to be merged.
+          max_chars: stop reading ``texts`` after this many characters (the last
+            document is cut); None reads everything.
+
+        Returns:
+          The trained tokenizer.
+        """
         if vocab_size < len(SPECIAL_TOKENS) + 256:
             raise ValueError(
                 f"tokenizer.vocab_size={vocab_size} must be >= {len(SPECIAL_TOKENS) + 256} "
@@ -69,6 +99,8 @@ class Tokenizer:
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
+        if max_chars is not None:
+            texts = _take_chars(texts, max_chars)
         tok.train_from_iterator(texts, trainer=trainer)
         return cls(tok)
 
@@ -83,7 +115,22 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises bare Exceptions on bad JSON
             raise ValueError(f"unreadable tokenizer file {file}: {e}") from e
 
+    def add_missing_special_tokens(self) -> list[str]:
+        """Appends the project's special tokens this tokenizer lacks (e.g. an HF model's).
+
+        Returns:
+          The tokens added, in id order; the vocabulary grows by that many.
+        """
+        missing = [t for t in SPECIAL_TOKENS if self._tok.token_to_id(t) is None]
+        if missing:
+            self._tok.add_special_tokens(missing)
+            self._tok.encode_special_tokens = True
+            for token in missing:
+                self._special[token] = self._tok.token_to_id(token)
+        return missing
+
     def save(self, directory: str) -> str:
+        """Writes ``directory/tokenizer.json`` atomically; returns its path."""
         os.makedirs(directory, exist_ok=True)
         file = os.path.join(directory, TOKENIZER_FILE)
         tmp = file + ".tmp"
@@ -158,3 +205,12 @@ class Tokenizer:
 
     def describe(self) -> str:
         return json.dumps({"vocab_size": self.vocab_size, "special": self._special})
+
+
+def _take_chars(texts: Iterable[str], max_chars: int) -> Iterator[str]:
+    remaining = max_chars
+    for text in texts:
+        if remaining <= 0:
+            return
+        yield text[:remaining]
+        remaining -= len(text)
