@@ -1,0 +1,82 @@
+"""Kimi K2 / K2.5 text model shapes (DeepSeek-V3 architecture): 1.04T params, 32B active.
+
+What for: the scale Composer 2 trained at. Nothing here runs it on a CPU; the
+ahead-of-time tool compiles its sharded train step for a TPU topology to check
+memory fit and FLOPs.
+
+Command:
+    python -m cursor_rl.tools.aot_compile --config=configs/kimi_k2.py \
+        --topology=v5p:8x8x8
+
+and on a pod the same config trains from an HF checkpoint converted with
+`python -m cursor_rl.tools.convert_hf`.
+
+Shapes from moonshotai/Kimi-K2-Instruct-0905's config.json: 61 layers, hidden 7168,
+64 heads, q_lora 1536, kv_lora 512, qk_nope 128, qk_rope 64, v 128, 384 routed
+experts top-8 + 1 shared, first_k_dense 1, moe_intermediate 2048, intermediate
+18432, vocab 163840, rope_theta 50000, YaRN factor 64 over 4096 (256K context),
+routed_scaling_factor 2.827, a single expert group.
+
+Hardware: a TPU v5p pod slice (see README for the smallest topology that fits and
+the per-chip memory breakdown measured by the AOT tool).
+"""
+
+from cursor_rl import config_lib
+from cursor_rl.model.config import ModelConfig, RopeScaling
+
+MODEL = ModelConfig(
+    vocab_size=163840,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_layers=61,
+    num_heads=64,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=384,
+    num_experts_per_tok=8,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.827,
+    first_k_dense=1,
+    rope_theta=50000.0,
+    rope_scaling=RopeScaling(
+        factor=64.0,
+        original_max_position_embeddings=4096,
+        beta_fast=1.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    rope_interleave=True,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    dtype="bfloat16",
+    param_dtype="float32",
+    remat_policy="full",
+)
+
+
+def get_config(arg=None):
+    arg = config_lib.parse_arg(arg, stage="pretrain")
+    c = config_lib.base_config()
+    c.stage = arg.stage
+    c.model = config_lib.model_section(MODEL)
+    c.tokenizer.vocab_size = MODEL.vocab_size
+    # Experts over a 64-way axis (384 = 64 x 6), parameters/optimizer state over fsdp.
+    c.mesh.ici = dict(data=1, fsdp=-1, context=1, expert=64, tensor=1)
+    c.train.batch_size = 1024
+    c.train.seq_len = 4096
+    c.train.num_steps = 100_000
+    c.optimizer.name = "muon"
+    c.optimizer.schedule = "wsd"
+    c.optimizer.learning_rate = 2e-4
+    c.optimizer.warmup_steps = 500
+    c.checkpoint.every_steps = 500
+    c.checkpoint.keep_every = 5000
+    return c

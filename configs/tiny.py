@@ -1,0 +1,84 @@
+"""Tiny: the whole recipe on a 2-core CPU, on the embedded standard-library corpus.
+
+What for: the built-in default. Runs every stage end to end in minutes, so each
+change can be checked on a laptop-class CPU; the same code runs `small` and
+`kimi_k2` on accelerators.
+
+Command (the README's main command runs this):
+    python -m cursor_rl.main --config=configs/tiny.py --workdir=/tmp/tiny
+    python -m cursor_rl.main --config=configs/tiny.py:stage=pretrain --workdir=/tmp/tiny \
+        --config.train.num_steps=20
+
+Hardware: 2 CPU cores (an 8-device mesh is emulated by the tests; the main job uses
+the real CPU device). Model: 7.4M parameters (3.3M active), hidden 256, 4 layers
+(1 dense + 3 MoE with 8 routed experts top-2 and 1 shared), MLA with a 64-wide KV
+latent, vocabulary 2048 (byte-level BPE trained on the corpus).
+"""
+
+from cursor_rl import config_lib
+from cursor_rl.model.config import ModelConfig
+
+MODEL = ModelConfig(
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=768,
+    moe_intermediate_size=256,
+    num_layers=4,
+    num_heads=4,
+    q_lora_rank=None,  # small models skip the query bottleneck (DeepSeek-V2-Lite does too)
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    first_k_dense=1,
+    routed_scaling_factor=1.0,
+    router_bias_update_rate=1e-3,
+    rope_theta=10000.0,
+    max_position_embeddings=2048,
+)
+
+
+def get_config(arg=None):
+    arg = config_lib.parse_arg(arg, stage="all")
+    c = config_lib.base_config()
+    c.stage = arg.stage
+    c.model = config_lib.model_section(MODEL)
+    c.tokenizer.vocab_size = MODEL.vocab_size
+
+    c.train.num_steps = 300
+    c.train.batch_size = 16
+    c.train.seq_len = 256
+    c.train.log_every = 10
+    c.train.eval_every = 100
+    c.optimizer.learning_rate = 3e-3
+    c.optimizer.warmup_steps = 20
+    c.checkpoint.every_steps = 100
+
+    # (b) Long context: 4x the sequence length, YaRN factor 4 over the pretraining
+    # length (DeepSeek-V3 sec. 4.3 extends the same way), lower learning rate.
+    lc = c.stage_overrides.long_context
+    lc.train = dict(seq_len=1024, batch_size=4)
+    lc.model = dict(
+        rope_scaling=dict(
+            factor=4.0,
+            original_max_position_embeddings=256,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=0.0,
+            truncate=True,
+        ),
+    )
+    lc.optimizer = dict(learning_rate=1e-3, warmup_steps=5)
+
+    # (c) SFT on agent trajectories in the harness's chat/tool format.
+    sft = c.stage_overrides.sft
+    sft.data = dict(source="sft")
+    sft.train = dict(seq_len=1024, batch_size=4)
+    sft.optimizer = dict(learning_rate=1e-3, warmup_steps=5)
+    return c

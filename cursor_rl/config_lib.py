@@ -1,0 +1,157 @@
+"""Shared pieces of the experiment configs in ``configs/``.
+
+Each ``configs/NAME.py`` builds on ``base_config()`` and returns a ConfigDict. A
+config holds every stage's settings; ``stage_overrides.<stage>`` holds what a
+stage changes relative to the rest (merged by ``stage_config``), so command-line
+overrides such as ``--config.train.num_steps=2`` apply to every stage of a
+pipeline run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+
+from cursor_rl.model.config import ModelConfig
+
+STAGES = ("pretrain", "long_context", "sft")
+PIPELINE_STAGES = ("all", *STAGES)
+
+
+def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
+    """Parses ``"stage=sft,steps=10"`` into a ConfigDict, typed by ``defaults``.
+
+    (The ``configs/NAME.py:ARG`` convention of big_vision.)
+    """
+    result = ml_collections.ConfigDict(dict(defaults))
+    if not arg:
+        return result
+    for item in arg.split(","):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"config arg {item!r} is not key=value")
+        if key not in defaults:
+            raise ValueError(f"config arg {key!r} is unknown; known: {sorted(defaults)}")
+        kind = type(defaults[key])
+        if kind is bool:
+            result[key] = value.lower() in ("1", "true", "yes")
+        else:
+            result[key] = kind(value)
+    return result
+
+
+def model_section(model: ModelConfig) -> ml_collections.ConfigDict:
+    values = model.to_dict()
+    if values["rope_scaling"] is None:
+        # A placeholder keeps the field overridable from the command line; a factor of
+        # 1 means "no scaling" (YaRN with factor 1 is plain RoPE).
+        values["rope_scaling"] = {
+            "factor": 1.0,
+            "original_max_position_embeddings": model.max_position_embeddings,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.0,
+            "truncate": True,
+        }
+    section = ml_collections.ConfigDict(values)
+    # q_lora_rank may be None or an int: let overrides set either.
+    section.q_lora_rank = ml_collections.FieldReference(model.q_lora_rank, field_type=int)
+    return section
+
+
+def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+    """The ModelConfig of a (stage) config; a rope_scaling factor <= 1 means none."""
+    values = config.model.to_dict()
+    rs = values.get("rope_scaling")
+    if rs is not None and float(rs["factor"]) <= 1.0:
+        values["rope_scaling"] = None
+    return ModelConfig.from_dict(values)
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Defaults for every section; experiment configs change what they need."""
+    c = ml_collections.ConfigDict()
+    c.stage = "all"  # pretrain | long_context | sft | all (the three in order)
+    c.seed = 0
+    c.model = model_section(ModelConfig())
+
+    c.mesh = ml_collections.ConfigDict()
+    # Axis sizes within a slice; -1 takes the remaining devices.
+    c.mesh.ici = ml_collections.ConfigDict(
+        {"data": -1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1}
+    )
+    # Axis sizes across slices (multi-slice TPU, over DCN): only data may be > 1.
+    c.mesh.dcn = ml_collections.ConfigDict({"data": 1})
+    c.mesh.rules_preset = "default"
+    c.mesh.rules = ml_collections.ConfigDict()  # logical name -> mesh axis override
+
+    c.tokenizer = ml_collections.ConfigDict()
+    c.tokenizer.vocab_size = 2048
+    c.tokenizer.path = ""  # an existing tokenizer.json (e.g. a real model's) instead of training
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "stdlib"  # stdlib | a directory/glob | jsonl:PATH | arrayrecord:GLOB | sft
+    c.data.packing = "best_fit"  # best_fit | first_fit
+    c.data.eval_fraction = 0.02  # held-out documents (by hash) for eval loss
+
+    c.train = ml_collections.ConfigDict()
+    c.train.num_steps = 100
+    c.train.batch_size = 8  # sequences per step (global)
+    c.train.seq_len = 256
+    c.train.microbatches = 1  # gradient accumulation: batch_size splits into this many
+    c.train.z_loss = 0.0  # coefficient of log(Z)^2 (PaLM), 0 = off
+    c.train.log_every = 10
+    c.train.eval_every = 50
+    c.train.eval_batches = 4
+    c.train.init_from = ""  # checkpoint dir to start from (else the previous stage's)
+
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.name = "adamw"  # adamw | muon
+    c.optimizer.learning_rate = 3e-3
+    c.optimizer.schedule = "cosine"  # cosine | wsd (warmup-stable-decay) | constant
+    c.optimizer.warmup_steps = 10
+    c.optimizer.decay_fraction = 0.2  # wsd: final fraction of steps spent decaying
+    c.optimizer.min_lr_ratio = 0.1
+    c.optimizer.b1 = 0.9
+    c.optimizer.b2 = 0.95
+    c.optimizer.eps = 1e-8
+    c.optimizer.weight_decay = 0.1  # not applied to norms, biases or embeddings
+    c.optimizer.clip_norm = 1.0
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 50
+    c.checkpoint.keep_last = 2
+    c.checkpoint.keep_every = 0  # also keep every K-th step forever (0 = off)
+    c.checkpoint.async_save = True
+    c.checkpoint.fallback_to_previous = True  # a corrupt latest checkpoint -> use the one before
+
+    c.stage_overrides = ml_collections.ConfigDict()
+    for stage in STAGES:
+        c.stage_overrides[stage] = ml_collections.ConfigDict()
+    return c
+
+
+def _merge(base: ml_collections.ConfigDict, overrides: ml_collections.ConfigDict, where: str):
+    for key, value in overrides.items():
+        if key not in base:
+            raise ValueError(f"stage_overrides.{where}{key}: no such field in the config")
+        if isinstance(value, ml_collections.ConfigDict) and isinstance(
+            base[key], ml_collections.ConfigDict
+        ):
+            _merge(base[key], value, f"{where}{key}.")
+        else:
+            base[key] = value
+
+
+def stage_config(config: ml_collections.ConfigDict, stage: str) -> ml_collections.ConfigDict:
+    """The config one stage runs with: ``config`` + ``config.stage_overrides[stage]``."""
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r} is not one of {STAGES}")
+    result = ml_collections.ConfigDict(config.to_dict())
+    result.stage = stage
+    _merge(result, config.stage_overrides[stage], f"{stage}.")
+    return result

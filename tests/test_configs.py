@@ -1,0 +1,69 @@
+"""Every config in configs/ parses, and each of its stages yields a valid model config."""
+
+import glob
+import os
+
+import importlib.util
+
+import pytest
+
+from cursor_rl import config_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
+
+
+def _load(path, arg=None):
+    spec = importlib.util.spec_from_file_location("cfg", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def test_configs_exist():
+    names = {os.path.basename(p) for p in CONFIGS}
+    assert {"tiny.py", "small.py", "kimi_k2.py"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_config_parses_and_every_stage_is_valid(path):
+    config = _load(path)
+    with open(path, encoding="utf-8") as fh:
+        source = fh.read()
+    assert source.lstrip().startswith('"""'), "configs start with a docstring"
+    assert "Command" in source and "Hardware" in source, "docstring gives command and hardware"
+    for stage in config_lib.STAGES:
+        stage_cfg = config_lib.stage_config(config, stage)
+        model = config_lib.model_config(stage_cfg)
+        assert model.validate() is model
+
+
+def test_tiny_stage_arg_selects_stage():
+    path = os.path.join(ROOT, "configs", "tiny.py")
+    assert _load(path, "stage=sft").stage == "sft"
+    with pytest.raises(ValueError, match="unknown"):
+        _load(path, "stag=sft")
+
+
+def test_kimi_k2_has_the_published_shapes():
+    config = config_lib.model_config(_load(os.path.join(ROOT, "configs", "kimi_k2.py")))
+    counts = config.param_counts()
+    assert 1.0e12 < counts["total"] < 1.1e12, counts
+    assert 30e9 < counts["active"] < 34e9, counts
+    assert config.rope_scaling.factor == 64.0
+
+
+def test_stage_overrides_reject_unknown_fields():
+    config = config_lib.base_config()
+    config.stage_overrides.sft.train = {"num_stepz": 3}
+    with pytest.raises(ValueError, match="num_stepz"):
+        config_lib.stage_config(config, "sft")
+
+
+def test_long_context_stage_raises_yarn_factor():
+    config = _load(os.path.join(ROOT, "configs", "tiny.py"))
+    pre = config_lib.model_config(config_lib.stage_config(config, "pretrain"))
+    lc_cfg = config_lib.stage_config(config, "long_context")
+    lc = config_lib.model_config(lc_cfg)
+    assert pre.rope_scaling is None and lc.rope_scaling.factor > 1
+    assert lc_cfg.train.seq_len > config.train.seq_len
