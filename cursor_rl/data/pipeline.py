@@ -76,6 +76,11 @@ class DataConfig:
         trajectories) and/or JSONL globs of ``{"messages": [...]}`` records.
       sft_max_chunks: chunks kept from a conversation longer than ``seq_len``
         (1 = truncate; 0 = keep all).
+      sft_eval_fraction: share of conversations held out (SFT sets are small).
+      seqio_mixture: when set, pretraining batches come from this seqio Mixture or
+        Task instead of ``sources`` (needs the ``seqio`` extra; see
+        ``cursor_rl.data.seqio_bridge``).
+      seqio_modules: modules imported first, to register the seqio Tasks/Mixtures.
     """
 
     sources: tuple[str, ...] = ("stdlib",)
@@ -89,6 +94,9 @@ class DataConfig:
     read_threads: int = 2
     sft_sources: tuple[str, ...] = ("builtin",)
     sft_max_chunks: int = 1
+    sft_eval_fraction: float = 0.1
+    seqio_mixture: str = ""
+    seqio_modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.sources:
@@ -99,8 +107,9 @@ class DataConfig:
             )
         if any(w <= 0 for w in self.weights):
             raise ValueError(f"data.weights={self.weights}: weights must be positive")
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in (0, 1)")
+        for name in ("eval_fraction", "sft_eval_fraction"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise ValueError(f"data.{name}={getattr(self, name)} must be in (0, 1)")
         if self.packing not in packing.PACKING_STRATEGIES:
             raise ValueError(
                 f"data.packing={self.packing!r} must be one of {packing.PACKING_STRATEGIES}"
@@ -167,7 +176,8 @@ def _check_split(split: str) -> None:
         raise ValueError(f"split={split!r} must be one of {SPLITS}")
 
 
-def _check_sharding(global_batch_size: int, process_index: int, process_count: int) -> int:
+def per_process_batch_size(global_batch_size: int, process_index: int, process_count: int) -> int:
+    """Rows per process; checks the process index and that the batch divides evenly."""
     if process_count < 1 or not 0 <= process_index < process_count:
         raise ValueError(f"process_index={process_index} is outside 0..{process_count - 1}")
     if global_batch_size < 1 or global_batch_size % process_count:
@@ -322,7 +332,21 @@ def make_pretrain_dataset(
       ``[global_batch_size // process_count, seq_len]``; ``iter()`` it for a
       checkpointable iterator.
     """
-    local = _check_sharding(global_batch_size, process_index, process_count)
+    local = per_process_batch_size(global_batch_size, process_index, process_count)
+    if config.seqio_mixture:
+        # Imported only here: the bridge needs TensorFlow (the optional seqio extra).
+        from cursor_rl.data import seqio_bridge
+
+        return seqio_bridge.make_seqio_dataset(
+            config,
+            tokenizer,
+            seq_len=seq_len,
+            global_batch_size=global_batch_size,
+            seed=seed,
+            process_index=process_index,
+            process_count=process_count,
+            split=split,
+        )
     docs = document_dataset(
         config, split=split, seed=seed, process_index=process_index, process_count=process_count
     )
@@ -339,9 +363,70 @@ def make_pretrain_dataset(
     )
 
 
+def make_sft_dataset(
+    config: DataConfig,
+    tokenizer: Tokenizer,
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    split: str = "train",
+) -> grain.IterDataset:
+    """The packed SFT pipeline over ``config.sft_sources``; same batches as pretraining.
+
+    ``loss_mask`` is 1 only where the target is one of the assistant's own tokens.
+    Conversations longer than ``seq_len`` keep ``config.sft_max_chunks`` chunks.
+
+    Args:
+      config: the data config (``sft_*`` fields, packing settings).
+      tokenizer: the run's tokenizer (with the chat special tokens).
+      seq_len: row length.
+      global_batch_size: rows per step over all processes.
+      seed: fixes conversation order and packing.
+      process_index: this process (``jax.process_index()``).
+      process_count: all processes (``jax.process_count()``).
+      split: ``train`` or ``eval`` (held out by content hash, ``sft_eval_fraction``).
+
+    Returns:
+      An infinite IterDataset of batch dicts (``packing.BATCH_KEYS``).
+    """
+    # Imported here: SFT renders with the harness's protocol (cursor_rl.env), which
+    # pretraining does not need.
+    from cursor_rl.data import sft
+
+    _check_split(split)
+    local = per_process_batch_size(global_batch_size, process_index, process_count)
+    conversations = sft.open_conversations(config.sft_sources)
+    keep = _KeepDocument(split, config.sft_eval_fraction, sources.BenchGuard(()))
+    convs = grain.MapDataset.source(conversations)[process_index::process_count].filter(keep)
+    convs = convs.shuffle(seed=seed % 2**32)
+    _first_kept(convs, f"SFT sources {list(config.sft_sources)}, {split} split")
+    examples = (
+        convs.repeat()
+        .map(sft.RenderConversation(tokenizer))
+        .to_iter_dataset(grain.ReadOptions(num_threads=config.read_threads))
+    )
+    return batches_from_examples(
+        examples,
+        config,
+        seq_len=seq_len,
+        local_batch_size=local,
+        pad_id=tokenizer.pad_id,
+        seed=seed,
+        max_chunks=config.sft_max_chunks or None,
+    )
+
+
 def make_pretrain_iterator(*args: Any, **kwargs: Any) -> grain.DatasetIterator:
     """``iter(make_pretrain_dataset(...))``: a checkpointable iterator of batches."""
     return iter(make_pretrain_dataset(*args, **kwargs))
+
+
+def make_sft_iterator(*args: Any, **kwargs: Any) -> grain.DatasetIterator:
+    """``iter(make_sft_dataset(...))``: a checkpointable iterator of SFT batches."""
+    return iter(make_sft_dataset(*args, **kwargs))
 
 
 def iter_documents(

@@ -239,17 +239,22 @@ class JsonlSource:
     def __len__(self) -> int:
         return len(self._index)
 
-    def __getitem__(self, index: int) -> Document | None:
+    def record(self, index: int) -> tuple[dict[str, Any], str]:
+        """The JSON object on the ``index``-th non-blank line, and ``file:line`` for errors."""
         file_no, offset, line_no = self._index[index]
         path = self._paths[file_no]
         with open(path, "rb") as fh:
             fh.seek(offset)
             line = fh.readline()
-        record = parse_json_record(line, f"{path}:{line_no}")
-        text = record_text(record, self._text_field, f"{path}:{line_no}")
+        where = f"{path}:{line_no}"
+        return parse_json_record(line, where), where
+
+    def __getitem__(self, index: int) -> Document | None:
+        record, where = self.record(index)
+        text = record_text(record, self._text_field, where)
         if not text.strip():
             return None
-        return {"text": text, "source": self.name, "id": str(record.get("id", f"{path}:{line_no}"))}
+        return {"text": text, "source": self.name, "id": str(record.get("id", where))}
 
 
 class ArrayRecordSource:
