@@ -76,7 +76,6 @@ def get_config(arg=None):
     )
     lc.mesh = dict(rules_preset="long_context", ici=dict(data=1, fsdp=2, context=2, expert=2))
     sft = c.stage_overrides.sft
-    sft.data = dict(source="sft")
     sft.train = dict(seq_len=32768, batch_size=32, num_steps=2000)
     sft.optimizer = dict(learning_rate=2e-4, warmup_steps=50)
     return c

@@ -78,7 +78,6 @@ def get_config(arg=None):
 
     # (c) SFT on agent trajectories in the harness's chat/tool format.
     sft = c.stage_overrides.sft
-    sft.data = dict(source="sft")
     sft.train = dict(seq_len=1024, batch_size=4)
     sft.optimizer = dict(learning_rate=1e-3, warmup_steps=5)
     return c

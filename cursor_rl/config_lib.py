@@ -9,6 +9,7 @@ pipeline run.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import ml_collections
@@ -72,6 +73,15 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
     return ModelConfig.from_dict(values)
 
 
+def _data_defaults() -> dict[str, Any]:
+    from cursor_rl.data.pipeline import DataConfig
+
+    values = dataclasses.asdict(DataConfig())
+    # None = "the benchmark modules"; keep it overridable with a list of names.
+    values["exclude_modules"] = ml_collections.FieldReference(None, field_type=tuple)
+    return values
+
+
 def base_config() -> ml_collections.ConfigDict:
     """Defaults for every section; experiment configs change what they need."""
     c = ml_collections.ConfigDict()
@@ -93,10 +103,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.tokenizer.vocab_size = 2048
     c.tokenizer.path = ""  # an existing tokenizer.json (e.g. a real model's) instead of training
 
-    c.data = ml_collections.ConfigDict()
-    c.data.source = "stdlib"  # stdlib | a directory/glob | jsonl:PATH | arrayrecord:GLOB | sft
-    c.data.packing = "best_fit"  # best_fit | first_fit
-    c.data.eval_fraction = 0.02  # held-out documents (by hash) for eval loss
+    # The fields of cursor_rl.data.pipeline.DataConfig (documented there), plus:
+    # process_sharding: "documents" (each process reads its own share: scales) or
+    # "rows" (every process reads the global stream and keeps its rows: results are
+    # independent of the process count).
+    c.data = ml_collections.ConfigDict(_data_defaults())
+    c.data.process_sharding = "documents"
 
     c.train = ml_collections.ConfigDict()
     c.train.num_steps = 100
@@ -118,6 +130,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer.min_lr_ratio = 0.1
     c.optimizer.b1 = 0.9
     c.optimizer.b2 = 0.95
+    c.optimizer.muon_beta = 0.95  # Muon momentum (AdamW-handled leaves use b1/b2)
     c.optimizer.eps = 1e-8
     c.optimizer.weight_decay = 0.1  # not applied to norms, biases or embeddings
     c.optimizer.clip_norm = 1.0

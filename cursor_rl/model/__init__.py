@@ -9,6 +9,7 @@ from cursor_rl.model.transformer import (
     init,
     stack_layers,
     unstack_layers,
+    update_router,
     variable_shardings,
 )
 
@@ -21,6 +22,7 @@ __all__ = [
     "init",
     "stack_layers",
     "unstack_layers",
+    "update_router",
     "update_router_bias",
     "variable_shardings",
 ]

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from cursor_rl import partitioning
 from cursor_rl.model.config import ModelConfig
 from cursor_rl.model.layers import BTE, MLA, MLP, RMSNorm, Rope, constrain, rope_tables
-from cursor_rl.model.moe import MoE
+from cursor_rl.model.moe import MoE, update_router_bias
 
 Array = jax.Array
 Variables = dict[str, Any]
@@ -254,4 +254,26 @@ def stack_layers(tree: dict[str, Any]) -> dict[str, Any]:
     for stack, layers in per_stack.items():
         ordered = [layers[i] for i in range(len(layers))]
         out[stack] = {"layer": jax.tree.map(lambda *a: jnp.stack(a), *ordered)}
+    return out
+
+
+def update_router(config: ModelConfig, router: dict[str, Any], expert_load: Array) -> dict:
+    """Applies the aux-loss-free bias rule to every MoE layer of a ``router`` collection.
+
+    Args:
+      config: model config (``router_bias_update_rate`` is the step size).
+      router: the ``router`` variable collection (scanned or unscanned layout).
+      expert_load: [L_moe, E] assignments per expert, as ``forward_with_aux`` returns.
+    """
+    rate = config.router_bias_update_rate
+    if config.num_moe_layers == 0:
+        return router
+    if "moe_layers" in router:
+        bias = router["moe_layers"]["layer"]["moe"]["bias"]
+        new = update_router_bias(bias, expert_load, rate)
+        return {**router, "moe_layers": {"layer": {"moe": {"bias": new}}}}
+    out = dict(router)
+    for i in range(config.num_moe_layers):
+        bias = router[f"moe_layers_{i}"]["moe"]["bias"]
+        out[f"moe_layers_{i}"] = {"moe": {"bias": update_router_bias(bias, expert_load[i], rate)}}
     return out

@@ -1,0 +1,52 @@
+"""Entry point: ``python -m cursor_rl.main --config=configs/NAME.py[:ARG] --workdir=DIR``.
+
+Intentionally short: it parses flags and calls one function per stage family.
+Multi-host: set ``--multihost`` (or CURSOR_RL_MULTIHOST=1) to call
+``jax.distributed.initialize`` first (TPU pods discover their peers; elsewhere pass
+``--coordinator_address``, ``--num_processes`` and ``--process_id``).
+"""
+
+import logging
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and logs go.")
+_MULTIHOST = flags.DEFINE_bool(
+    "multihost", os.environ.get("CURSOR_RL_MULTIHOST", "0") == "1", "Initialise jax.distributed."
+)
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+    del argv
+    import jax
+
+    if _MULTIHOST.value:
+        if jax.default_backend() == "cpu" or _COORDINATOR.value:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=_COORDINATOR.value,
+            num_processes=_NUM_PROCESSES.value,
+            process_id=_PROCESS_ID.value,
+        )
+    logging.getLogger().setLevel(logging.INFO)
+    from cursor_rl.train import loop
+
+    try:
+        results = loop.run(_CONFIG.value, _WORKDIR.value)
+    except loop.Preempted as e:
+        print(e, flush=True)
+        sys.exit(0)
+    if jax.process_index() == 0:
+        print("\n" + loop.summary_table(results), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,513 @@
+"""The stage loop: short-context pretraining, long-context extension and SFT.
+
+One trainer runs all three stages; a stage differs only by its config
+(``config_lib.stage_config``) and by where its weights come from:
+
+1. its own latest checkpoint (a restarted or preempted run resumes exactly: weights,
+   optimizer, router bias, data-iterator position and step);
+2. else ``train.init_from`` or the previous stage's latest checkpoint (weights and
+   router bias only: each stage gets a fresh optimizer and schedule);
+3. else a fresh initialisation (pretraining only).
+
+Checkpoints, metrics and the tokenizer live in the workdir (layout in DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+
+from cursor_rl import checkpoints, config_lib, model, partitioning
+from cursor_rl.data import pipeline
+from cursor_rl.data.tokenizer import Tokenizer
+from cursor_rl.model.config import ModelConfig
+from cursor_rl.train import optimizer as optim
+from cursor_rl.train import step as step_lib
+from cursor_rl.train.metrics import MetricsWriter, Progress
+from cursor_rl.train.peak import peak_flops_per_device
+
+# Fields of the config's ``data`` section that the trainer consumes itself; the rest
+# goes to ``pipeline.DataConfig``.
+_TRAINER_DATA_FIELDS = ("process_sharding",)
+
+
+class Preempted(RuntimeError):
+    """SIGTERM arrived; a checkpoint was written and the run should exit cleanly."""
+
+
+@dataclasses.dataclass
+class StageResult:
+    stage: str
+    steps: int
+    tokens: int
+    train_loss: float | None
+    eval_loss: float | None
+    first_eval_loss: float | None
+    wall_s: float
+    checkpoint: str | None
+
+
+# ---- validation -----------------------------------------------------------------
+
+
+def validate_stage_config(cfg: ml_collections.ConfigDict, num_devices: int) -> ModelConfig:
+    """Checks a stage config before anything compiles; errors name the field."""
+
+    def need(ok: bool, field: str, why: str) -> None:
+        if not ok:
+            value = cfg
+            for part in field.split("."):
+                value = value[part]
+            raise ValueError(f"{field}={value!r}: {why}")
+
+    need(cfg.stage in config_lib.STAGES, "stage", f"one of {config_lib.STAGES}")
+    need(cfg.train.num_steps > 0, "train.num_steps", "must be > 0")
+    need(cfg.train.batch_size > 0, "train.batch_size", "must be > 0")
+    need(cfg.train.seq_len > 1, "train.seq_len", "must be > 1")
+    need(cfg.train.microbatches > 0, "train.microbatches", "must be > 0")
+    need(
+        cfg.train.batch_size % cfg.train.microbatches == 0,
+        "train.batch_size",
+        f"must be divisible by train.microbatches={cfg.train.microbatches}",
+    )
+    need(cfg.train.log_every > 0, "train.log_every", "must be > 0")
+    need(cfg.train.eval_every >= 0, "train.eval_every", "must be >= 0")
+    need(cfg.checkpoint.every_steps > 0, "checkpoint.every_steps", "must be > 0")
+    need(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last", "must be >= 0")
+    need(cfg.optimizer.learning_rate > 0, "optimizer.learning_rate", "must be > 0")
+    need(cfg.optimizer.name in ("adamw", "muon"), "optimizer.name", "adamw or muon")
+    need(
+        cfg.optimizer.schedule in ("cosine", "wsd", "constant"),
+        "optimizer.schedule",
+        "cosine, wsd or constant",
+    )
+    need(
+        cfg.data.get("process_sharding", "documents") in ("documents", "rows"),
+        "data.process_sharding",
+        "documents or rows",
+    )
+    model_config = config_lib.model_config(cfg)
+    need(
+        cfg.train.seq_len <= model_config.max_position_embeddings
+        or model_config.rope_scaling is not None,
+        "train.seq_len",
+        f"exceeds model.max_position_embeddings={model_config.max_position_embeddings}",
+    )
+    sizes = partitioning.resolve_mesh_shape(
+        cfg.mesh.ici.to_dict(), num_devices // max(int(np.prod(list(cfg.mesh.dcn.values()))), 1)
+    )
+    batch_shards = int(np.prod([sizes[a] for a in partitioning.BATCH_AXES]))
+    batch_shards *= int(cfg.mesh.dcn.get("data", 1))
+    micro = cfg.train.batch_size // cfg.train.microbatches
+    need(
+        micro % batch_shards == 0,
+        "train.batch_size",
+        f"each micro-batch ({micro} rows) must split over the {batch_shards} batch shards "
+        "of the mesh (data x fsdp x expert)",
+    )
+    return model_config
+
+
+# ---- pieces ---------------------------------------------------------------------
+
+
+def tokenizer_dir(workdir: str) -> str:
+    return os.path.join(workdir, "tokenizer")
+
+
+def ensure_tokenizer(cfg: ml_collections.ConfigDict, workdir: str) -> Tokenizer:
+    """The run's tokenizer: ``tokenizer.path``, else the workdir's, else trained now.
+
+    Process 0 trains and saves; the others wait for it and load the same file.
+    """
+    directory = tokenizer_dir(workdir)
+    if cfg.tokenizer.path:
+        tokenizer = Tokenizer.load(cfg.tokenizer.path)
+        if jax.process_index() == 0 and not os.path.exists(directory):
+            tokenizer.save(directory)
+        return tokenizer
+    if jax.process_index() == 0 and not os.path.exists(os.path.join(directory, "tokenizer.json")):
+        data_config = data_config_of(cfg)
+        start = time.time()
+        tokenizer = pipeline.train_tokenizer(data_config, cfg.tokenizer.vocab_size, seed=cfg.seed)
+        tokenizer.save(directory)
+        logging.info(
+            "trained tokenizer (%d tokens) in %.1fs", tokenizer.vocab_size, time.time() - start
+        )
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("tokenizer")
+    return Tokenizer.load(directory)
+
+
+def data_config_of(cfg: ml_collections.ConfigDict) -> pipeline.DataConfig:
+    values = {k: v for k, v in cfg.data.to_dict().items() if k not in _TRAINER_DATA_FIELDS}
+    return pipeline.DataConfig.from_mapping(values)
+
+
+def make_data(cfg, tokenizer: Tokenizer, split: str, seed: int):
+    """The stage's batch dataset for this process (see ``data.process_sharding``)."""
+    make = pipeline.make_sft_dataset if cfg.stage == "sft" else pipeline.make_pretrain_dataset
+    rows = cfg.data.get("process_sharding", "documents") == "rows"
+    return make(
+        data_config_of(cfg),
+        tokenizer,
+        seq_len=cfg.train.seq_len,
+        global_batch_size=cfg.train.batch_size,
+        seed=seed,
+        # "rows": every process reads the same global stream and keeps its own rows,
+        # so results do not depend on the process count (used to test multi-host).
+        process_index=0 if rows else jax.process_index(),
+        process_count=1 if rows else jax.process_count(),
+        split=split,
+    )
+
+
+class _BatchPutter:
+    """Host batches (this process's rows) -> global arrays sharded over the batch axes."""
+
+    def __init__(self, cfg, mesh, rules):
+        self.sharding = partitioning.logical_sharding(("act_batch", "act_length"), mesh, rules)
+        self.rows_mode = cfg.data.get("process_sharding", "documents") == "rows"
+        self.global_rows = cfg.train.batch_size
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        out = {}
+        for key in step_lib.BATCH_KEYS:
+            local = np.asarray(batch[key], dtype=np.int32)
+            if self.rows_mode and jax.process_count() > 1:
+                per = self.global_rows // jax.process_count()
+                local = local[jax.process_index() * per : (jax.process_index() + 1) * per]
+            out[key] = jax.make_array_from_process_local_data(self.sharding, local)
+        return out
+
+
+def _abstract_state(model_config: ModelConfig, tx, mesh, rules):
+    """Abstract variables/optimizer state (boxed, for shardings) and their shardings."""
+    boxed = model.abstract_variables(model_config)
+    opt_boxed = jax.eval_shape(tx.init, boxed["params"])
+    var_sh = nn.meta.unbox(partitioning.tree_shardings(boxed, mesh, rules))
+    opt_sh = nn.meta.unbox(partitioning.tree_shardings(opt_boxed, mesh, rules))
+    replicated = partitioning.replicated(mesh)
+    state_sh = step_lib.TrainState(
+        step=replicated,
+        params=var_sh["params"],
+        router=var_sh.get("router", {}),
+        opt_state=opt_sh,
+        skipped=replicated,
+    )
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        step_lib.TrainState(
+            step=jax.ShapeDtypeStruct((), jnp.int32),
+            params=nn.meta.unbox(boxed["params"]),
+            router=nn.meta.unbox(boxed.get("router", {})),
+            opt_state=nn.meta.unbox(opt_boxed),
+            skipped=jax.ShapeDtypeStruct((), jnp.int32),
+        ),
+        state_sh,
+    )
+    return abstract, state_sh
+
+
+def _check_compatible(meta: dict[str, Any], model_config: ModelConfig, where: str) -> None:
+    """Parameter shapes of a checkpoint's model must equal this stage's."""
+    saved = meta.get("model_config")
+    if not saved:
+        return
+    saved_cfg = ModelConfig.from_dict({**saved, "rope_scaling": saved.get("rope_scaling")})
+    shape_fields = [
+        f.name
+        for f in dataclasses.fields(ModelConfig)
+        if f.name
+        in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "moe_intermediate_size",
+            "num_layers",
+            "num_heads",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "n_routed_experts",
+            "n_shared_experts",
+            "first_k_dense",
+            "tie_word_embeddings",
+            "scan_layers",
+        )
+    ]
+    for name in shape_fields:
+        if getattr(saved_cfg, name) != getattr(model_config, name):
+            raise ValueError(
+                f"model.{name}={getattr(model_config, name)!r} differs from the checkpoint at "
+                f"{where} ({getattr(saved_cfg, name)!r}): parameters would not fit"
+            )
+
+
+def checkpoint_metadata(cfg, model_config: ModelConfig, tokenizer: Tokenizer) -> dict[str, Any]:
+    return {
+        "stage": cfg.stage,
+        "model_config": model_config.to_dict(),
+        "tokenizer": tokenizer.to_json(),
+        "layer_layout": "scanned" if model_config.scan_layers else "unscanned",
+        "config": json.loads(cfg.to_json_best_effort()),
+    }
+
+
+def _previous_stage(stage: str) -> str | None:
+    index = config_lib.STAGES.index(stage)
+    return config_lib.STAGES[index - 1] if index > 0 else None
+
+
+# ---- the loop -------------------------------------------------------------------
+
+
+def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> StageResult:
+    """Trains one stage to ``train.num_steps`` (resuming if it has checkpoints)."""
+    wall_start = time.time()
+    cfg = config_lib.stage_config(config, stage)
+    model_config = validate_stage_config(cfg, jax.device_count())
+    mesh = partitioning.make_mesh(cfg.mesh.ici.to_dict(), cfg.mesh.dcn.to_dict())
+    rules = partitioning.make_rules(cfg.mesh.rules_preset, cfg.mesh.rules.to_dict())
+    is_main = jax.process_index() == 0
+    tokenizer = ensure_tokenizer(cfg, workdir)
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size} tokens"
+        )
+    num_steps = int(cfg.train.num_steps)
+    tx = optim.make_optimizer(cfg.optimizer, num_steps)
+    schedule = optim.make_schedule(cfg.optimizer, num_steps)
+    abstract, state_sh = _abstract_state(model_config, tx, mesh, rules)
+
+    train_iter = iter(make_data(cfg, tokenizer, "train", seed=cfg.seed))
+    manager = checkpoints.CheckpointManager(
+        checkpoints.checkpoint_dir(workdir, stage),
+        keep_last=cfg.checkpoint.keep_last,
+        keep_every=cfg.checkpoint.keep_every,
+        async_save=cfg.checkpoint.async_save,
+        fallback_to_previous=cfg.checkpoint.fallback_to_previous,
+    )
+    metadata = checkpoint_metadata(cfg, model_config, tokenizer)
+    variables_target = {"params": abstract.params, "router": abstract.router}
+
+    with partitioning.use_mesh(mesh, rules):
+        if manager.latest_step() is not None:
+            step, variables, train_items, meta = manager.restore(
+                variables_target, abstract.train_items(), train_iter
+            )
+            _check_compatible(meta, model_config, manager.directory)
+            state = step_lib.TrainState(
+                step=train_items["step"],
+                params=variables["params"],
+                router=variables["router"],
+                opt_state=train_items["opt_state"],
+                skipped=train_items["skipped"],
+            )
+            logging.info("[%s] resumed from step %d", stage, step)
+        else:
+            source = cfg.train.init_from
+            previous = _previous_stage(stage)
+            if not source and previous is not None:
+                source = checkpoints.latest_checkpoint(
+                    checkpoints.checkpoint_dir(workdir, previous)
+                )
+                if source is None:
+                    raise FileNotFoundError(
+                        f"stage {stage} starts from the {previous} stage, but "
+                        f"{checkpoints.checkpoint_dir(workdir, previous)} has no checkpoint; "
+                        "run that stage first or set train.init_from"
+                    )
+            if source:
+                _check_compatible(checkpoints.read_metadata(source), model_config, source)
+                variables = checkpoints.restore_variables(source, variables_target)
+                logging.info("[%s] initialised from %s", stage, source)
+            else:
+                variables = model.init(model_config, jax.random.key(cfg.seed), mesh, rules)
+            init_opt = jax.jit(tx.init, out_shardings=state_sh.opt_state)
+            state = step_lib.TrainState(
+                step=jax.device_put(jnp.zeros((), jnp.int32), state_sh.step),
+                params=variables["params"],
+                router=variables["router"],
+                opt_state=init_opt(variables["params"]),
+                skipped=jax.device_put(jnp.zeros((), jnp.int32), state_sh.skipped),
+            )
+
+        put = _BatchPutter(cfg, mesh, rules)
+        train_fn = jax.jit(
+            functools.partial(
+                step_lib.train_step,
+                config=model_config,
+                tx=tx,
+                schedule=schedule,
+                microbatches=int(cfg.train.microbatches),
+                z_loss=float(cfg.train.z_loss),
+            ),
+            in_shardings=(state_sh, put.sharding),
+            out_shardings=(state_sh, None),
+            donate_argnums=(0,),
+        )
+        eval_fn = jax.jit(
+            functools.partial(step_lib.eval_step, config=model_config),
+            in_shardings=({"params": state_sh.params, "router": state_sh.router}, put.sharding),
+        )
+        eval_data = (
+            make_data(cfg, tokenizer, "eval", seed=cfg.seed) if cfg.train.eval_every else None
+        )
+
+        def evaluate() -> float:
+            it = iter(eval_data)
+            ce, tokens = 0.0, 0.0
+            for _ in range(int(cfg.train.eval_batches)):
+                out = jax.device_get(eval_fn(state.variables, put(next(it))))
+                ce, tokens = ce + float(out["ce_sum"]), tokens + float(out["tokens"])
+            return ce / max(tokens, 1.0)
+
+        writer = MetricsWriter(workdir, enabled=is_main)
+        progress = Progress(stage, num_steps, enabled=is_main)
+        flops_per_token = model_config.flops_per_token(int(cfg.train.seq_len))
+        peak = peak_flops_per_device() * jax.device_count()
+        preempted = _install_sigterm_handler()
+        start_step = int(jax.device_get(state.step))
+        first_eval = last_eval = None
+        last_loss = None
+        tokens_seen = start_step * cfg.train.batch_size * cfg.train.seq_len
+        if eval_data is not None and start_step == 0:
+            first_eval = last_eval = evaluate()
+            writer.write(stage, 0, {"eval_loss": last_eval})
+        window_start, window_tokens = time.perf_counter(), 0
+        pending = []  # metrics dicts (device arrays) since the last log
+        step = start_step
+        try:
+            while step < num_steps:
+                batch = put(next(train_iter))
+                state, metrics = train_fn(state, batch)
+                step += 1
+                window_tokens += cfg.train.batch_size * cfg.train.seq_len
+                tokens_seen += cfg.train.batch_size * cfg.train.seq_len
+                pending.append(metrics)
+                if step % cfg.train.log_every == 0 or step == num_steps:
+                    host = jax.device_get(pending)
+                    elapsed = time.perf_counter() - window_start
+                    row = {k: float(np.mean([m[k] for m in host])) for k in host[-1]}
+                    for key in ("skipped_steps", "learning_rate"):
+                        row[key] = float(host[-1][key])
+                    row["update_skipped"] = float(sum(m["update_skipped"] for m in host))
+                    row["tokens_per_s"] = window_tokens / elapsed
+                    row["mfu"] = flops_per_token * row["tokens_per_s"] / peak
+                    row["tokens"] = tokens_seen
+                    last_loss = row["ce_loss"]
+                    if cfg.train.eval_every and (
+                        step % cfg.train.eval_every == 0 or step == num_steps
+                    ):
+                        row["eval_loss"] = last_eval = evaluate()
+                    writer.write(stage, step, row)
+                    progress.update(
+                        step,
+                        {
+                            "loss": row["ce_loss"],
+                            "eval": last_eval,
+                            "tok/s": row["tokens_per_s"],
+                            "mfu": row["mfu"],
+                        },
+                    )
+                    pending = []
+                    window_start, window_tokens = time.perf_counter(), 0
+                elif cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                    last_eval = evaluate()
+                    writer.write(stage, step, {"eval_loss": last_eval})
+                stop = _agree(preempted())
+                if step % cfg.checkpoint.every_steps == 0 or step == num_steps or stop:
+                    manager.save(
+                        step,
+                        state.variables,
+                        state.train_items(),
+                        train_iter,
+                        {**metadata, "step": step},
+                    )
+                if stop:
+                    manager.wait()
+                    raise Preempted(f"[{stage}] SIGTERM: checkpoint {step} written")
+        finally:
+            progress.finish()
+            manager.close()
+            writer.close()
+    latest = checkpoints.latest_checkpoint(manager.directory)
+    return StageResult(
+        stage=stage,
+        steps=num_steps,
+        tokens=tokens_seen,
+        train_loss=last_loss,
+        eval_loss=last_eval,
+        first_eval_loss=first_eval,
+        wall_s=time.time() - wall_start,
+        checkpoint=latest,
+    )
+
+
+def _agree(flag: bool) -> bool:
+    """True on every process if it is true on any (processes stop at the same step)."""
+    if jax.process_count() == 1:
+        return flag
+    flags = multihost_utils.process_allgather(np.asarray(flag, np.int32))
+    return bool(np.max(flags))
+
+
+def _install_sigterm_handler():
+    """Turns SIGTERM into a flag the loop polls (checkpoint, then a clean exit)."""
+    received = {"flag": False}
+
+    def handler(signum, frame):
+        del signum, frame
+        received["flag"] = True
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (e.g. a test harness): no handler
+        pass
+    return lambda: received["flag"]
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> list[StageResult]:
+    """Runs ``config.stage`` (one stage, or all three in order)."""
+    stages = config_lib.STAGES if config.stage == "all" else (config.stage,)
+    if config.stage not in config_lib.PIPELINE_STAGES:
+        raise ValueError(f"stage={config.stage!r} is not one of {config_lib.PIPELINE_STAGES}")
+    os.makedirs(workdir, exist_ok=True)
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as fh:
+            fh.write(config.to_json_best_effort(indent=2))
+    return [run_stage(config, stage, workdir) for stage in stages]
+
+
+def summary_table(results: list[StageResult]) -> str:
+    """The console summary: stage, steps, tokens, losses, wall time."""
+    lines = [
+        f"{'stage':<13} {'steps':>6} {'tokens':>11} {'train loss':>10} "
+        f"{'eval loss':>16} {'wall':>8}",
+    ]
+    for r in results:
+        ev = "-" if r.eval_loss is None else f"{r.eval_loss:.3f}"
+        if r.first_eval_loss is not None and r.eval_loss is not None:
+            ev = f"{r.first_eval_loss:.3f} → {r.eval_loss:.3f}"
+        tl = "-" if r.train_loss is None else f"{r.train_loss:.3f}"
+        lines.append(
+            f"{r.stage:<13} {r.steps:>6} {r.tokens:>11,} {tl:>10} {ev:>16} {r.wall_s:>7.0f}s"
+        )
+    return "\n".join(lines)

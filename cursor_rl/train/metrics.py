@@ -1,0 +1,106 @@
+"""Metrics sinks: ``WORKDIR/metrics.jsonl``, TensorBoard event files and the console.
+
+Every row of metrics.jsonl is a JSON object with at least ``stage`` and ``step``;
+rows from every stage (and from RL and eval) go to the same file. Only process 0
+writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+
+def _plain(value: Any) -> Any:
+    """JSON-friendly scalar (numpy/jax scalars -> float/int; NaN/inf -> null)."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsWriter:
+    """Appends metric rows to metrics.jsonl and TensorBoard (process 0 only)."""
+
+    def __init__(self, workdir: str, *, enabled: bool = True):
+        self.enabled = enabled
+        self._tb = None
+        self._path = os.path.join(workdir, "metrics.jsonl")
+        self._tb_dir = os.path.join(workdir, "tensorboard")
+        if enabled:
+            os.makedirs(workdir, exist_ok=True)
+
+    def write(self, stage: str, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        row = {"stage": stage, "step": int(step), "time": time.time()}
+        row.update({k: _plain(v) for k, v in metrics.items()})
+        if not self.enabled:
+            return row
+        with open(self._path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self._tb is None:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(self._tb_dir, flush_secs=30)
+        for key, value in row.items():
+            if key not in ("stage", "step", "time") and isinstance(value, int | float):
+                self._tb.add_scalar(f"{stage}/{key}", value, int(step))
+        return row
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+    """All rows of ``WORKDIR/metrics.jsonl`` (skipping a torn last line)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    rows = []
+    if not os.path.exists(path):
+        return rows
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+class Progress:
+    """A one-line console progress bar with the latest metrics."""
+
+    def __init__(self, stage: str, total: int, *, enabled: bool = True, width: int = 24):
+        self.stage, self.total, self.enabled, self.width = stage, max(total, 1), enabled, width
+        self._tty = sys.stdout.isatty()
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        done = min(step / self.total, 1.0)
+        filled = int(done * self.width)
+        bar = "█" * filled + "░" * (self.width - filled)
+        shown = " ".join(f"{k} {_format(v)}" for k, v in metrics.items() if _plain(v) is not None)
+        line = f"[{self.stage}] {step:>6}/{self.total} {bar} {shown}"
+        if self._tty:
+            sys.stdout.write("\r" + line[:200])
+            sys.stdout.flush()
+        else:
+            print(line, flush=True)
+
+    def finish(self) -> None:
+        if self.enabled and self._tty:
+            sys.stdout.write("\n")
+
+
+def _format(value: Any) -> str:
+    value = _plain(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

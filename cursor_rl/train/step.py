@@ -1,0 +1,164 @@
+"""Train state, loss and the compiled train / eval steps.
+
+Choices:
+
+1. Loss = masked next-token cross-entropy summed over the global batch and divided
+   by its number of loss tokens (so gradient accumulation over micro-batches is
+   exact, not a mean of means) + optional z-loss (coef * log(Z)^2, PaLM sec. 5) +
+   the MoE sequence-wise balance loss when enabled.
+2. Micro-batches run under ``lax.scan`` (one compiled body), gradients summed.
+3. A non-finite loss or gradient norm skips the update (params, optimizer state and
+   router bias keep their values), counts it in ``skipped`` and reports it; the
+   step counter still advances so the data stream and schedule move on.
+4. After the optimizer update the router correction bias follows the step's expert
+   load (aux-loss-free balancing); it is not touched by the optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from cursor_rl import model
+from cursor_rl.model.config import ModelConfig
+
+Batch = dict[str, jax.Array]
+BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 []
+    params: Any
+    router: Any  # the MoE correction bias collection (not optimised)
+    opt_state: Any
+    skipped: jax.Array  # int32 []: updates skipped for non-finite loss or gradients
+
+    @property
+    def variables(self) -> dict[str, Any]:
+        return {"params": self.params, "router": self.router}
+
+    def train_items(self) -> dict[str, Any]:
+        """What a checkpoint's ``train`` item holds (everything but the variables)."""
+        return {"step": self.step, "opt_state": self.opt_state, "skipped": self.skipped}
+
+
+def init_state(variables: dict[str, Any], tx: optax.GradientTransformation) -> TrainState:
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=variables["params"],
+        router=variables.get("router", {}),
+        opt_state=tx.init(variables["params"]),
+        skipped=jnp.zeros((), jnp.int32),
+    )
+
+
+def _token_losses(config: ModelConfig, params, router, batch: Batch, z_loss: float):
+    """Per-batch sums: cross-entropy, z-loss, plus the model's aux outputs."""
+    logits, aux = model.forward_with_aux(
+        config,
+        {"params": params, "router": router},
+        batch["tokens"],
+        batch["positions"],
+        batch["segment_ids"],
+    )
+    mask = batch["loss_mask"].astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
+    ce_sum = ((log_z - target_logit) * mask).sum()
+    z_sum = (jnp.square(log_z) * mask).sum() * z_loss
+    return ce_sum, z_sum, aux
+
+
+def train_step(
+    state: TrainState,
+    batch: Batch,
+    *,
+    config: ModelConfig,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    microbatches: int = 1,
+    z_loss: float = 0.0,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step on a global batch [B, T] split into ``microbatches``."""
+    num_tokens = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
+
+    def loss_fn(params, micro):
+        ce_sum, z_sum, aux = _token_losses(config, params, state.router, micro, z_loss)
+        loss = (ce_sum + z_sum) / num_tokens + aux["balance_loss"] / microbatches
+        return loss, (ce_sum, z_sum, aux)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if microbatches == 1:
+        (loss, (ce_sum, z_sum, aux)), grads = grad_fn(state.params, batch)
+        load, balance = aux["expert_load"], aux["balance_loss"]
+    else:
+        micro_batches = jax.tree.map(
+            lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:]), batch
+        )
+
+        def body(carry, micro):
+            (loss, (ce_sum, z_sum, aux)), grads = grad_fn(state.params, micro)
+            new = (loss, ce_sum, z_sum, aux["expert_load"], aux["balance_loss"], grads)
+            return jax.tree.map(jnp.add, carry, new), None
+
+        zeros = (
+            jnp.zeros(()),
+            jnp.zeros(()),
+            jnp.zeros(()),
+            jnp.zeros((config.num_moe_layers, config.n_routed_experts)),
+            jnp.zeros(()),
+            jax.tree.map(jnp.zeros_like, state.params),
+        )
+        (loss, ce_sum, z_sum, load, balance, grads), _ = jax.lax.scan(body, zeros, micro_batches)
+        balance = balance / microbatches
+
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    new_router = model.update_router(config, state.router, load)
+
+    def keep_if_finite(new, old):
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    new_state = TrainState(
+        step=state.step + 1,
+        params=keep_if_finite(new_params, state.params),
+        router=keep_if_finite(new_router, state.router),
+        opt_state=keep_if_finite(new_opt_state, state.opt_state),
+        skipped=state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32),
+    )
+    metrics = {
+        "loss": loss,
+        "ce_loss": ce_sum / num_tokens,
+        "z_loss": z_sum / num_tokens,
+        "balance_loss": balance,
+        "grad_norm": grad_norm,
+        "learning_rate": schedule(state.step),
+        "loss_tokens": num_tokens,
+        "skipped_steps": new_state.skipped,
+        "update_skipped": jnp.logical_not(finite).astype(jnp.int32),
+    }
+    metrics.update(load_metrics(load))
+    return new_state, metrics
+
+
+def load_metrics(load: jax.Array) -> dict[str, jax.Array]:
+    """Expert-load imbalance (max/mean assignments per layer): worst and average layer."""
+    if load.size == 0:
+        return {}
+    per_layer = load.max(-1) / jnp.maximum(load.mean(-1), 1e-9)
+    return {"expert_imbalance_max": per_layer.max(), "expert_imbalance_mean": per_layer.mean()}
+
+
+def eval_step(
+    variables: dict[str, Any], batch: Batch, *, config: ModelConfig
+) -> dict[str, jax.Array]:
+    """Sums for the held-out loss: cross-entropy and loss-token count."""
+    ce_sum, _, _ = _token_losses(config, variables["params"], variables["router"], batch, 0.0)
+    return {"ce_sum": ce_sum, "tokens": batch["loss_mask"].astype(jnp.float32).sum()}
