@@ -14,6 +14,7 @@ Checkpoints, metrics and the tokenizer live in the workdir (layout in DESIGN.md)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -331,7 +332,7 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> St
                 if source is None:
                     raise FileNotFoundError(
                         f"stage {stage} starts from the {previous} stage, but "
-                        f"{checkpoints.checkpoint_dir(workdir, previous)} has no checkpoint; "
+                        f"{previous_dir} has no checkpoint; "
                         "run that stage first or set train.init_from"
                     )
             if source:
@@ -477,10 +478,9 @@ def _install_sigterm_handler():
         del signum, frame
         received["flag"] = True
 
-    try:
+    # Outside the main thread (e.g. under a test harness) no handler can be set.
+    with contextlib.suppress(ValueError):
         signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread (e.g. a test harness): no handler
-        pass
     return lambda: received["flag"]
 
 
