@@ -1,9 +1,8 @@
 """Every config in configs/ parses, and each of its stages yields a valid model config."""
 
 import glob
-import os
-
 import importlib.util
+import os
 
 import pytest
 

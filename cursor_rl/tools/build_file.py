@@ -142,7 +142,10 @@ def main(argv):
             fh.write(text)
         print(f"wrote {path}")
     elif _CHECK.value:
-        current = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+        current = ""
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as fh:
+                current = fh.read()
         if current != text:
             print("BUILD is stale: run `python -m cursor_rl.tools.build_file --write`")
             sys.exit(1)

@@ -326,9 +326,8 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> St
             source = cfg.train.init_from
             previous = _previous_stage(stage)
             if not source and previous is not None:
-                source = checkpoints.latest_checkpoint(
-                    checkpoints.checkpoint_dir(workdir, previous)
-                )
+                previous_dir = checkpoints.checkpoint_dir(workdir, previous)
+                source = checkpoints.latest_checkpoint(previous_dir)
                 if source is None:
                     raise FileNotFoundError(
                         f"stage {stage} starts from the {previous} stage, but "
