@@ -1,0 +1,118 @@
+"""One agent episode: the token trajectory and the tool calls that grow it.
+
+    episode = AgentEpisode(chat, TOOL_SPECS, tools.execute, system=..., task=...)
+    while not episode.done:
+        completion = sampler.generate([episode.prompt()], params)[0]
+        episode.step(completion.tokens, completion.logprobs)
+    episode.trajectory   # tokens, loss mask, log-probs, turns (cursor_rl.env.protocol)
+
+Design choices:
+
+1. **The executor is a callable** ``(ToolCall | ToolCallError) -> ToolResult``: a local
+   ``Tools.execute`` or a ``ToolPool`` episode's ``execute``, so the same loop runs
+   in-process (tests, scripted agents) and against a worker pool (RL).
+2. **When an episode ends:** the model called ``submit``; or it ended a turn without
+   any tool call (its final answer); or ``max_turns`` assistant turns were sampled.
+   Malformed calls do not end it: each gets an error turn and the model continues.
+3. **Calls after ``submit`` in the same turn are not executed**; each still gets a
+   tool turn saying so, keeping one tool turn per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+
+from cursor_rl.env.protocol import (
+    ChatFormat,
+    Message,
+    ParsedTurn,
+    ToolCall,
+    ToolCallError,
+    ToolSpec,
+    Trajectory,
+    tools_prompt,
+)
+from cursor_rl.env.tools import ToolResult
+
+Executor = Callable[[ToolCall | ToolCallError], ToolResult]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one model turn did: the parse, each call's observation, whether the episode ended."""
+
+    parsed: ParsedTurn
+    results: tuple[ToolResult, ...]
+    done: bool
+
+
+class AgentEpisode:
+    """A conversation with tools, rendered token by token into a ``Trajectory``.
+
+    Args:
+      chat: the chat format (tokenizer).
+      tools: the tool specs offered (shown in the system prompt, used by the parser).
+      execute: runs one parsed call (choice 1).
+      system: the system prompt's preamble; the tool descriptions are appended.
+      task: the user's task statement.
+      max_turns: stop after this many assistant turns (None: no limit).
+    """
+
+    def __init__(
+        self,
+        chat: ChatFormat,
+        tools: Iterable[ToolSpec],
+        execute: Executor,
+        *,
+        system: str,
+        task: str,
+        max_turns: int | None = None,
+    ):
+        self.chat = chat
+        self.tools = {spec.name: spec for spec in tools}
+        self.execute = execute
+        self.max_turns = max_turns
+        self.trajectory = Trajectory()
+        self.turns = 0
+        self.submitted = False
+        self.done = False
+        chat.start_segment(self.trajectory)
+        prompt = f"{system}\n\n{tools_prompt(self.tools.values())}"
+        chat.append_message(self.trajectory, Message("system", prompt))
+        chat.append_message(self.trajectory, Message("user", task))
+        chat.append_assistant_header(self.trajectory)
+
+    def prompt(self) -> list[int]:
+        """Token ids to sample the next assistant turn from (the current segment)."""
+        return self.trajectory.current_context()
+
+    def step(self, tokens: Sequence[int], logprobs: Sequence[float] | None = None) -> StepResult:
+        """Takes one sampled assistant turn: records it, runs its calls, appends the results.
+
+        Args:
+          tokens: the sampler's output for this turn.
+          logprobs: the sampler's log-prob per token (None when unknown).
+
+        Returns:
+          The parsed turn, the observations in call order and whether the episode ended.
+        """
+        if self.done:
+            raise ValueError("the episode is over")
+        self.chat.append_sampled(self.trajectory, tokens, logprobs)
+        self.turns += 1
+        parsed = self.chat.parse(tokens, self.tools)
+        results = []
+        for call in parsed.calls:
+            if self.submitted:
+                result = ToolResult("Not run: the task was already submitted.", ok=False)
+            else:
+                result = self.execute(call)
+                self.submitted = result.submitted
+            results.append(result)
+            self.chat.append_message(self.trajectory, Message("tool", result.text))
+        limit_reached = self.max_turns is not None and self.turns >= self.max_turns
+        self.done = self.submitted or not parsed.calls or limit_reached
+        if not self.done:
+            self.chat.append_assistant_header(self.trajectory)
+        return StepResult(parsed, tuple(results), self.done)

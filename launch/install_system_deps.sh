@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the sandbox (cursor_rl/env/sandbox.py) needs. Idempotent and
+# silent when everything is present; run as root (CI runs as root).
+#   bash launch/install_system_deps.sh
+#
+#   bwrap            bubblewrap: mount/PID/IPC/UTS namespaces and the read-only filesystem view
+#   rg               ripgrep: the `search` tool's fast path (a pure-Python search is the fallback)
+#   git              the fresh single-commit repository the agent sees
+#   ip               iproute2: one network namespace per sandbox
+#   nsenter setpriv prlimit   util-linux: join the namespace, drop to the sandbox user, rlimits
+set -euo pipefail
+
+declare -A package_of=(
+  [bwrap]=bubblewrap
+  [rg]=ripgrep
+  [git]=git
+  [ip]=iproute2
+  [nsenter]=util-linux
+  [setpriv]=util-linux
+  [prlimit]=util-linux
+)
+
+missing=()
+for cmd in "${!package_of[@]}"; do
+  command -v "$cmd" >/dev/null 2>&1 || missing+=("${package_of[$cmd]}")
+done
+[ "${#missing[@]}" -eq 0 ] && exit 0
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "install_system_deps.sh: need root to install: ${missing[*]}" >&2
+  exit 1
+fi
+mapfile -t packages < <(printf '%s\n' "${missing[@]}" | sort -u)
+echo "install_system_deps.sh: installing ${packages[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq >/dev/null
+apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
