@@ -19,7 +19,7 @@ import pytest
 import safetensors.numpy
 
 from cursor_rl import model
-from cursor_rl.model import hf
+from cursor_rl.model import hf, hf_mapping
 from cursor_rl.model.config import ModelConfig, RopeScaling
 
 forward = jax.jit(model.forward, static_argnums=0)
@@ -143,8 +143,8 @@ TINY = ModelConfig(
 def _random_variables(config: ModelConfig, seed: int = 0):
     """Random numpy variables for ``config``, scaled like ``_hf_model``'s weights."""
     rng = np.random.default_rng(seed)
-    variables = {}
-    for key, (shape, dtype) in hf.model_shapes(config).items():
+    flat = {}
+    for key, (shape, dtype) in hf_mapping.model_shapes(config).items():
         if key.endswith("scale"):
             value = 1 + 0.3 * rng.standard_normal(shape)
         elif key.startswith("router/"):
@@ -152,16 +152,12 @@ def _random_variables(config: ModelConfig, seed: int = 0):
         else:
             std = 1 if key == "params/embed" else config.hidden_size**-0.5
             value = std * rng.standard_normal(shape)
-        *parents, last = key.split("/")
-        node = variables
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[last] = value.astype(dtype)
-    return variables
+        flat[key] = value.astype(dtype)
+    return hf_mapping.unflatten_variables(flat)
 
 
 def _assert_same(a, b):
-    flat_a, flat_b = dict(hf._walk(a)), dict(hf._walk(b))
+    flat_a, flat_b = dict(hf_mapping.flatten_variables(a)), dict(hf_mapping.flatten_variables(b))
     assert flat_a.keys() == flat_b.keys()
     for key in flat_a:
         np.testing.assert_array_equal(flat_a[key], flat_b[key], err_msg=key)
@@ -302,19 +298,19 @@ def test_export_parity(name, layout, shard_bytes, tmp_path):
 
 def _assert_bf16_rounded(loaded, original):
     """fp32 ``loaded`` holds ``original`` rounded to bf16, except the exact fp32 router."""
-    original = dict(hf._walk(original))
-    for key, value in hf._walk(loaded):
+    original = dict(hf_mapping.flatten_variables(original))
+    for key, value in hf_mapping.flatten_variables(loaded):
         router = key.startswith("router/") or key.endswith("moe/router")
         rounded = original[key].astype(jnp.bfloat16).astype(np.float32)
         np.testing.assert_array_equal(value, original[key] if router else rounded, key)
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
-@pytest.mark.parametrize("layout", hf.EXPERT_LAYOUTS)
+@pytest.mark.parametrize("layout", hf_mapping.EXPERT_LAYOUTS)
 def test_spec_tiles_every_variable(scan_layers, layout):
     config = TINY.replace(scan_layers=scan_layers)
-    spec = hf.weight_spec(config, layout)
-    hf.check_spec(spec, hf.model_shapes(config))
+    spec = hf_mapping.weight_spec(config, layout)
+    hf_mapping.check_spec(spec, hf_mapping.model_shapes(config))
     assert len({m.name for m in spec}) == len(spec)
 
 
@@ -354,12 +350,12 @@ def test_layouts_convert_through_the_spec():
     """Scanned fp32 -> HF tensors -> unscanned bf16 equals unstack_layers, rounded."""
     scanned = _random_variables(TINY)
     target = TINY.replace(scan_layers=False, param_dtype="bfloat16")
-    out = hf.variables_from_hf_tensors(target, hf.iter_hf_tensors(TINY, scanned))
+    out = hf_mapping.variables_from_hf_tensors(target, hf_mapping.iter_hf_tensors(TINY, scanned))
     unstacked = {c: model.unstack_layers(tree) for c, tree in scanned.items()}
-    dtypes = {key: dtype for key, (_, dtype) in hf.model_shapes(target).items()}
-    flat_out = dict(hf._walk(out))
+    dtypes = {key: dtype for key, (_, dtype) in hf_mapping.model_shapes(target).items()}
+    flat_out = dict(hf_mapping.flatten_variables(out))
     assert flat_out.keys() == dtypes.keys()
-    for key, value in hf._walk(unstacked):
+    for key, value in hf_mapping.flatten_variables(unstacked):
         assert flat_out[key].dtype == dtypes[key]
         np.testing.assert_array_equal(flat_out[key], np.asarray(value).astype(dtypes[key]), key)
 
@@ -521,6 +517,18 @@ def _raises(directory, match, **kwargs):
         ),
         ({"n_group": 3}, "n_group=3"),  # ModelConfig.validate, reported as config.json's
     ],
+    ids=[
+        "model_type",
+        "fp8",
+        "hidden_act",
+        "attention_bias",
+        "kv_heads",
+        "missing_field",
+        "rope_linear",
+        "attention_factor",
+        "unknown_rope_key",
+        "n_group",
+    ],
 )
 def test_config_errors(checkpoint, change, match):
     directory, config = checkpoint
@@ -549,6 +557,7 @@ EXPERT_UP = "model.layers.1.mlp.experts.3.up_proj.weight"  # [F, D] = [8, 16] in
             f"'{EXPERT_UP}' has dtype I8",
         ),
     ],
+    ids=["missing", "unexpected", "mixed_layouts", "shape", "quantized"],
 )
 def test_tensor_errors(checkpoint, edit, match):
     directory, _ = checkpoint

@@ -28,7 +28,7 @@ import jax
 from absl import app, flags
 
 from cursor_rl import checkpoints, model
-from cursor_rl.model import hf
+from cursor_rl.model import hf, hf_mapping
 from cursor_rl.model.config import ModelConfig
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -125,10 +125,13 @@ _PARAM_DTYPE = flags.DEFINE_enum(
 _SCAN_LAYERS = flags.DEFINE_bool("scan_layers", True, "--to=orbax: stacked (scanned) layers.")
 _DROP_MTP = flags.DEFINE_bool("drop_mtp", False, "--to=orbax: drop multi-token-prediction layers.")
 _DTYPE = flags.DEFINE_enum(
-    "dtype", None, ["float32", "bfloat16", "float16"], "--to=hf: weight dtype (default: as stored)."
+    "dtype", None, list(hf_mapping.EXPORT_DTYPES), "--to=hf: weight dtype (default: as stored)."
 )
 _EXPERT_LAYOUT = flags.DEFINE_enum(
-    "expert_layout", "per_expert", list(hf.EXPERT_LAYOUTS), "--to=hf: routed-expert tensors."
+    "expert_layout",
+    "per_expert",
+    list(hf_mapping.EXPERT_LAYOUTS),
+    "--to=hf: routed-expert tensors.",
 )
 _MAX_SHARD_GB = flags.DEFINE_float("max_shard_gb", 5.0, "--to=hf: safetensors shard size limit.")
 
