@@ -551,17 +551,27 @@ class ChatFormat:
 
         return _parse_pieces(pieces(), tools)
 
+    def _markup_pieces(self, text: str):
+        pos = 0
+        for m in self._special_re.finditer(text):
+            if m.start() > pos:
+                yield False, text[pos : m.start()]
+            yield True, m.group()
+            pos = m.end()
+        if pos < len(text):
+            yield False, text[pos:]
+
     def parse_text(self, text: str, tools: Mapping[str, ToolSpec]) -> ParsedTurn:
         """Parses assistant text in which special tokens appear as their strings."""
+        return _parse_pieces(self._markup_pieces(text), tools)
 
-        def pieces():
-            pos = 0
-            for m in self._special_re.finditer(text):
-                if m.start() > pos:
-                    yield False, text[pos : m.start()]
-                yield True, m.group()
-                pos = m.end()
-            if pos < len(text):
-                yield False, text[pos:]
+    def encode_markup(self, text: str) -> list[int]:
+        """Ids of text in which special tokens are written as their strings.
 
-        return _parse_pieces(pieces(), tools)
+        For scripted agents and tests only: applied to untrusted text this is exactly
+        how text would forge structure (choice 2).
+        """
+        ids: list[int] = []
+        for special, piece in self._markup_pieces(text):
+            ids += [self._id[piece]] if special else self.tokenizer.encode(piece)
+        return ids

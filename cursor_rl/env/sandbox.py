@@ -59,6 +59,7 @@ import functools
 import json
 import os
 import random
+import select
 import selectors
 import shutil
 import signal
@@ -496,6 +497,13 @@ class Sandbox:
                 argv += ["--symlink", os.readlink(host), host]
             elif os.path.isdir(host):
                 argv += ["--ro-bind", host, host]
+        # Fresh mounts first, so binds below /tmp (a toolchain there) land on top of them.
+        argv += [
+            "--proc", "/proc",
+            "--dev", "/dev",
+            "--perms", "1777", "--size", str(lim.tmp_bytes), "--tmpfs", "/tmp",
+            "--perms", "1777", "--size", str(lim.tmp_bytes), "--tmpfs", "/dev/shm",
+        ]  # fmt: skip
         etc = os.path.join(self._state_dir, "etc")
         binds = [(f"/etc/{name}", f"/etc/{name}") for name in _ETC_FILES]
         binds += [(os.path.join(etc, name), f"/etc/{name}") for name in sorted(os.listdir(etc))]
@@ -509,10 +517,6 @@ class Sandbox:
         for host, inside in binds:
             argv += ["--ro-bind-try" if host.startswith("/etc/") else "--ro-bind", host, inside]
         argv += [
-            "--proc", "/proc",
-            "--dev", "/dev",
-            "--perms", "1777", "--size", str(lim.tmp_bytes), "--tmpfs", "/tmp",
-            "--perms", "1777", "--size", str(lim.tmp_bytes), "--tmpfs", "/dev/shm",
             "--bind", self.live_root, WORKDIR,
             "--chdir", WORKDIR,
             "--clearenv",
@@ -607,6 +611,21 @@ class _Command:
         else:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
+    def _reap_namespace(self):
+        """Waits until the PID namespace is empty (choice 4).
+
+        bwrap reports the command's status as soon as the command exits, while its
+        init (killed by ``--die-with-parent``) may still be killing leftovers; the
+        init's pidfd turns readable only after the kernel has killed them all.
+        """
+        poller = select.poll()
+        poller.register(self.init_pidfd, select.POLLIN)
+        if not poller.poll(_KILL_GRACE_S * 1000):
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.init_pidfd, signal.SIGKILL)
+            if not poller.poll(_KILL_GRACE_S * 1000):
+                raise SandboxError("the sandbox's processes survive SIGKILL")
+
     def communicate(self, stdin: bytes, timeout_s: float) -> CommandResult:
         sel = selectors.DefaultSelector()
         sel.register(self.proc.stdout, selectors.EVENT_READ, self.out)
@@ -669,6 +688,7 @@ class _Command:
             raise SandboxError(
                 f"the sandbox could not start the command: {self.err.text()[-2000:]}"
             )
+        self._reap_namespace()
         stderr = self.err.text()
         if self.killed_for == "timeout":
             stderr += (
