@@ -4,7 +4,6 @@ Needs root and the system tools (launch/install_system_deps.sh); skips with the
 reason otherwise, as CI's root run never does.
 """
 
-import contextlib
 import os
 import pathlib
 import random
@@ -35,15 +34,6 @@ def workspace(tmp_path):
     (ws / "src").mkdir(parents=True)
     (ws / "src" / "main.py").write_text("print('hi')\n")
     return str(ws)
-
-
-def uid_processes(uid):
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
-            if any(line.startswith("Uid:") and int(line.split()[1]) == uid for line in f):
-                found.append(int(pid))
-    return found
 
 
 def test_unavailable_without_root(monkeypatch, workspace):
@@ -93,10 +83,10 @@ def test_timeout_kills_every_process_of_the_command(workspace):
         result = sb.run("sleep 300 & setsid sleep 300 & echo started; sleep 300", 1)
         assert result.timed_out and result.stdout == "started\n"
         assert "timed out after 1 s" in result.stderr
-        assert uid_processes(sb.uid) == []
+        assert sandbox._processes_of(sb.uid) == []
         result = sb.run("(setsid nohup sleep 300 >/dev/null 2>&1 &); echo daemon", 10)
         assert result.exit_code == 0 and not result.timed_out
-        assert uid_processes(sb.uid) == []  # background daemons die with the command
+        assert sandbox._processes_of(sb.uid) == []  # background daemons die with the command
 
 
 def test_nothing_of_the_host_is_visible(workspace, tmp_path):
@@ -316,7 +306,7 @@ def test_limits_bound_the_command_not_the_host(workspace, limits, cmd, check):
     with Sandbox(workspace, limits=limits) as sb:
         result = sb.run(cmd, timeout_s=8)
         assert check(result), result
-        assert uid_processes(sb.uid) == []
+        assert sandbox._processes_of(sb.uid) == []
         assert sb.run("echo still fine", 10).stdout == "still fine\n"
     assert shutil.disk_usage(workspace).free > free_before - (64 << 20)
     assert subprocess.run(["true"]).returncode == 0  # the host can still fork
@@ -347,5 +337,5 @@ def test_a_crashed_harness_leaves_nothing_behind(workspace, monkeypatch):
         assert sb.slot == slot
         assert sb.run("true", 10).exit_code == 0
         live_root = sb.live_root
-    assert uid_processes(uid) == []
+    assert sandbox._processes_of(uid) == []
     assert not os.path.exists(stale_netns) and not os.path.ismount(live_root)

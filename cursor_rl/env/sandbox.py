@@ -538,7 +538,8 @@ class Sandbox:
         Args:
           cmd: a ``/bin/sh -c`` command line, run in ``/workspace``.
           timeout_s: wall-clock limit; at expiry every process of the command is killed.
-          stdin: bytes fed to the command's standard input (then closed).
+          stdin: bytes fed to the command's standard input (then closed); without
+            any, standard input is ``/dev/null``.
 
         Returns:
           The command's exit code, captured output and whether it timed out.
@@ -552,7 +553,7 @@ class Sandbox:
         try:
             proc = subprocess.Popen(
                 self._argv(cmd, info_w),
-                stdin=subprocess.PIPE,
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 pass_fds=(info_w,),
@@ -636,8 +637,6 @@ class _Command:
         if pending:
             os.set_blocking(self.proc.stdin.fileno(), False)
             sel.register(self.proc.stdin, selectors.EVENT_WRITE, "stdin")
-        else:
-            self.proc.stdin.close()
         deadline = time.monotonic() + timeout_s
         drain_until = None  # after the command is gone, wait this long for pipes to close
         try:
