@@ -1,0 +1,73 @@
+"""Where a task's tests run: the interpreter and what the sandbox must see of it.
+
+A record's ``environment`` is a small JSON recipe:
+
+    {"python": "/root/.pyenv/versions/3.11.7/bin/python3.11",
+     "python_version": "3.11.7",
+     "readonly_paths": ["/root/.pyenv/versions/3.11.7"],
+     "python_path": ["."]}
+
+``python`` runs the harness test runner inside the sandbox; ``readonly_paths`` are
+the host directories it needs (its installation; for Autoinstall repositories also
+the task's virtualenv); ``python_path`` are repository directories put first on
+``sys.path``. Stdlib and tiny tasks use the interpreter whose standard library and
+``test`` package they were cut from, not the system Python: the hidden tests are that
+interpreter's tests.
+
+A dataset built on one machine names that machine's interpreter; ``resolve`` maps a
+recorded interpreter that does not exist here to the running one when the
+``major.minor`` version matches, and fails clearly otherwise.
+
+Pure Python, no JAX.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+
+class TaskEnvironmentError(RuntimeError):
+    """A task's environment cannot be provided on this machine."""
+
+
+def base_interpreter() -> str:
+    """The running interpreter's base installation binary (outside any virtualenv)."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    candidate = os.path.join(sys.base_prefix, "bin", version)
+    return candidate if os.path.exists(candidate) else os.path.realpath(sys.executable)
+
+
+def interpreter_environment() -> dict[str, Any]:
+    """The environment recipe of the running interpreter's base installation."""
+    return {
+        "python": base_interpreter(),
+        "python_version": platform.python_version(),
+        "readonly_paths": [os.path.realpath(sys.base_prefix)],
+        "python_path": ["."],
+    }
+
+
+def resolve(environment: Mapping[str, Any]) -> dict[str, Any]:
+    """The recipe usable on this machine (see the module docstring).
+
+    Raises:
+      TaskEnvironmentError: the recorded interpreter is missing and the running one has a
+        different ``major.minor`` version.
+    """
+    env = dict(environment)
+    if os.path.exists(env["python"]):
+        return env
+    recorded = ".".join(str(env.get("python_version", "")).split(".")[:2])
+    running = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if recorded != running or env.get("venv"):
+        raise TaskEnvironmentError(
+            f"the task's interpreter {env['python']} (Python {recorded}) does not exist here "
+            f"and the running Python is {running}"
+        )
+    local = interpreter_environment()
+    env.update(python=local["python"], readonly_paths=local["readonly_paths"])
+    return env

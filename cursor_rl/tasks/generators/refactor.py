@@ -1,0 +1,534 @@
+"""Refactor requests: behaviour-preserving changes checked by tests plus structure.
+
+* ``rename_symbol``: rename a module-level function or class across the repository
+  (definition, uses in every code file, ``__all__``), leaving no alias behind;
+* ``extract_function``: move the tail of a function or method (its last statements,
+  ending in ``return``) into a new module-level function that it calls.
+
+A refactor leaves behaviour alone, so no existing test can tell the starting state
+from a solved one. Grading therefore has two parts, both ordinary hidden tests run
+by the same grader:
+
+1. **Behaviour: the PASS_TO_PASS tests.** The repository's own tests. For a rename
+   they get a two-line preamble that makes the old name resolve to the new one
+   when only the new one exists, so the same test file passes before and after the
+   rename (a test cannot pass on both sides otherwise: it imports one name or the
+   other).
+2. **Structure: the FAIL_TO_PASS tests.** A generated test file that parses the
+   repository's code (not imports it) and checks the refactor happened: the new
+   name is defined, the old identifier appears in no code file (so the preamble's
+   alias cannot hide an incomplete rename); or the helper exists, the function
+   calls it, and the extracted statements are gone from the function.
+
+The reference solution is produced mechanically (a token-level rename; an
+extraction whose parameters are the function's locals the tail reads), and
+validation checks that it passes everything and that no behavioural test changes
+outcome between the start and the reference.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import posixpath
+import re
+import textwrap
+
+from cursor_rl.tasks.generators import base
+
+CHECK_FILE = "test_refactor_check.py"  # created beside the first hidden test file
+_MIN_NAME = 3
+_MAX_EXTRACT_STATEMENTS = 6
+_FRAME_CALLS = frozenset({"locals", "vars", "exec", "eval", "globals", "super"})
+
+_SYNONYMS = {
+    "get": "fetch",
+    "set": "assign",
+    "make": "build",
+    "create": "build",
+    "build": "assemble",
+    "parse": "read",
+    "read": "load",
+    "load": "read",
+    "write": "emit",
+    "format": "render",
+    "render": "format",
+    "wrap": "fold",
+    "fill": "pad",
+    "split": "divide",
+    "join": "combine",
+    "check": "verify",
+    "is": "looks",
+    "find": "locate",
+    "search": "scan",
+    "count": "tally",
+    "compute": "calculate",
+    "calc": "compute",
+    "convert": "transform",
+    "to": "into",
+    "encode": "pack",
+    "decode": "unpack",
+    "add": "append",
+    "remove": "drop",
+    "update": "refresh",
+    "reset": "clear",
+    "open": "start",
+    "close": "finish",
+    "run": "execute",
+    "handle": "process",
+    "process": "handle",
+    "error": "failure",
+    "value": "item",
+    "name": "label",
+    "list": "sequence",
+    "dict": "mapping",
+    "wrapper": "folder",
+    "reader": "loader",
+    "writer": "emitter",
+    "parser": "reader",
+    "formatter": "renderer",
+    "helper": "assistant",
+    "info": "details",
+    "data": "payload",
+    "text": "string",
+    "line": "row",
+    "lines": "rows",
+    "str": "text",
+    "char": "symbol",
+    "num": "number",
+    "mean": "average",
+    "total": "sum",
+    "size": "length",
+    "normalize": "canonicalize",
+    "quote": "escape",
+    "unquote": "unescape",
+}
+
+
+def _words(name: str) -> list[str]:
+    """``snake_case`` or ``CamelCase`` words of an identifier (lower case)."""
+    if "_" in name.strip("_") or name.islower():
+        return [w for w in name.split("_") if w]
+    return [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+", name)]
+
+
+def new_name(old: str, taken: set[str]) -> str | None:
+    """A plausible new name for ``old`` that is not in ``taken`` (None if none found)."""
+    words = _words(old)
+    camel = old[:1].isupper()
+    prefix = "_" * (len(old) - len(old.lstrip("_")))
+    options = []
+    for i, word in enumerate(words):
+        if word in _SYNONYMS:
+            options.append([*words[:i], _SYNONYMS[word], *words[i + 1 :]])
+    options.append([*words, "impl"])
+    for option in options:
+        if camel:
+            name = prefix + "".join(w[:1].upper() + w[1:] for w in option)
+        else:
+            name = prefix + "_".join(option)
+        if name != old and name not in taken and name.isidentifier():
+            return name
+    return None
+
+
+def _check_file_path(repo: base.SourceRepo) -> str:
+    return posixpath.join(posixpath.dirname(sorted(repo.test_files)[0]), CHECK_FILE)
+
+
+def _check_source(repo: base.SourceRepo, check_path: str, body: str, constants: dict) -> str:
+    """A unittest file that checks the repository's structure (see the module docstring)."""
+    depth = check_path.count("/")
+    hidden = sorted({*repo.test_files, check_path})
+    const_lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in sorted(constants.items()))
+    return f'''"""Structural check of a refactor task (generated by cursor_rl.tasks)."""
+
+import ast
+import io
+import os
+import tokenize
+import unittest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), *[".."] * {depth}))
+HIDDEN = {json.dumps(hidden)}
+{const_lines}
+
+
+def code_files():
+    """Every Python file of the repository except the hidden tests."""
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+        for filename in filenames:
+            path = os.path.join(dirpath, filename)
+            rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+            if filename.endswith(".py") and rel not in HIDDEN:
+                yield rel, path
+
+
+def source(rel):
+    with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+        return f.read()
+
+
+class RefactorCheck(unittest.TestCase):
+{textwrap.indent(body.strip(), "    ")}
+
+
+if __name__ == "__main__":
+    unittest.main()
+'''
+
+
+_RENAME_CHECK = """
+def test_new_name_is_defined(self):
+    module = ast.parse(source(FILE))
+    defined = {
+        node.name
+        for node in module.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    }
+    self.assertIn(NEW, defined, f"{NEW} is not defined at the top level of {FILE}")
+
+def test_old_name_is_gone(self):
+    for rel, path in code_files():
+        with open(path, encoding="utf-8") as f:
+            tokens = list(tokenize.generate_tokens(io.StringIO(f.read()).readline))
+        for tok in tokens:
+            quoted = tok.type == tokenize.STRING and tok.string in (repr(OLD), '"%s"' % OLD)
+            named = tok.type == tokenize.NAME and tok.string == OLD
+            self.assertFalse(named or quoted, f"{rel}:{tok.start[0]} still refers to {OLD}")
+"""
+
+
+def _alias_preamble(module: str, old: str, new: str) -> str:
+    return (
+        f"import importlib as _refactor_importlib  # generated: the old name follows the new\n"
+        f"_refactor_module = _refactor_importlib.import_module({module!r})\n"
+        f"if not hasattr(_refactor_module, {old!r}):\n"
+        f"    setattr(_refactor_module, {old!r}, getattr(_refactor_module, {new!r}))\n"
+    )
+
+
+def _insert_preamble(text: str, preamble: str) -> str:
+    """Inserts code after a module's docstring and ``__future__`` imports."""
+    module = base.parse(text)
+    line = 0
+    if module is not None:
+        for stmt in module.body:
+            is_doc = (
+                isinstance(stmt, ast.Expr)
+                and isinstance(stmt.value, ast.Constant)
+                and isinstance(stmt.value.value, str)
+            )
+            is_future = isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__"
+            if not (is_doc or is_future):
+                break
+            line = stmt.end_lineno
+    lines = base.lines_with_ends(text)
+    return "".join(lines[:line]) + preamble + "".join(lines[line:])
+
+
+def _renamable(repo: base.SourceRepo, path: str, node: ast.AST, visible: dict) -> bool:
+    """Whether every occurrence of the name is a reference to this one definition."""
+    old = node.name
+    if len(old) < _MIN_NAME or old.startswith("__") or old.lower().startswith("test"):
+        return False
+    leaf = repo.target_files[path].rsplit(".", 1)[-1]
+    for other, text in visible.items():
+        if not other.endswith(".py"):
+            continue
+        module = base.parse(text, other)
+        if module is None:
+            return False
+        definitions = 0
+        in_all = set()
+        for stmt in module.body:
+            if isinstance(stmt, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in stmt.targets
+            ):
+                in_all |= {id(n) for n in ast.walk(stmt.value)}
+        for n in ast.walk(module):
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                definitions += n.name == old
+            elif _other_use(n, old, leaf, own_file=other == path, in_all=in_all):
+                return False
+        if definitions != (1 if other == path else 0):
+            return False
+    return True
+
+
+def _other_use(n: ast.AST, old: str, leaf: str, *, own_file: bool, in_all: set[int]) -> bool:
+    """Whether ``n`` uses the name ``old`` for something other than the definition."""
+    if isinstance(n, ast.Name):
+        return n.id == old and not isinstance(n.ctx, ast.Load)
+    if isinstance(n, ast.Attribute):  # only `module.old` is a reference to the definition
+        return n.attr == old and not (isinstance(n.value, ast.Name) and n.value.id == leaf)
+    if isinstance(n, ast.arg | ast.keyword):
+        return n.arg == old
+    if isinstance(n, ast.Global | ast.Nonlocal):
+        return old in n.names
+    if isinstance(n, ast.alias):  # importing it elsewhere is a use; rebinding it here is not
+        return own_file and (n.asname or n.name.rsplit(".", 1)[-1]) == old
+    if isinstance(n, ast.Constant):
+        return n.value == old and id(n) not in in_all
+    return False
+
+
+@base.register("rename_symbol", "refactor")
+def rename_symbol(repo: base.SourceRepo) -> list[base.Candidate]:
+    """Renames one module-level function or class everywhere in the repository."""
+    candidates = []
+    visible = repo.visible_files()
+    taken = set().union(*(base.name_tokens(t) for p, t in repo.tree.items() if p.endswith(".py")))
+    check_path = _check_file_path(repo)
+    for path, dotted in sorted(repo.target_files.items()):
+        module = base.parse(repo.tree[path], path)
+        if module is None:
+            continue
+        for node in module.body:
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                continue
+            if not _renamable(repo, path, node, visible):
+                continue
+            old = node.name
+            new = new_name(old, taken)
+            if new is None:
+                continue
+            solution = {
+                p: base.rename_identifiers(t, old, new, strings=(p == path))
+                for p, t in visible.items()
+                if p.endswith(".py") and old in base.name_tokens(t)
+            }
+            tests = {
+                p: _insert_preamble(repo.tree[p], _alias_preamble(dotted, old, new))
+                for p in repo.test_files
+                if p.endswith(".py") and old in base.name_tokens(repo.tree[p])
+            }
+            tests[check_path] = _check_source(
+                repo, check_path, _RENAME_CHECK, {"FILE": path, "OLD": old, "NEW": new}
+            )
+            kind = "class" if isinstance(node, ast.ClassDef) else "function"
+            candidates.append(
+                base.Candidate(
+                    generator="rename_symbol",
+                    category="refactor",
+                    file=path,
+                    symbol=old,
+                    start_changes={},
+                    solution_changes=solution,
+                    test_changes=tests,
+                    prompt=functools.partial(
+                        _static_prompt, _rename_prompt(kind, old, new, path, repo.prompt_style)
+                    ),
+                    features={
+                        "files_changed": len(solution),
+                        "call_sites": base.count_references(visible, old),
+                        "lines_changed": sum(
+                            _changed_lines(visible[p], t) for p, t in solution.items()
+                        ),
+                    },
+                    description=f"rename {path}:{old} -> {new}",
+                )
+            )
+    return candidates
+
+
+def _rename_prompt(kind: str, old: str, new: str, path: str, style: str) -> str:
+    if style == "short":
+        return f"Refactor: rename the {kind} `{old}` in `{path}` to `{new}` everywhere."
+    return (
+        f"Refactor request: rename the {kind} `{old}` defined in `{path}` to `{new}` "
+        "throughout the repository: its definition, every use in every code file, and "
+        "its entry in `__all__` if it has one. Do not leave the old name behind as an "
+        "alias. Behaviour must not change: the existing test suite must keep passing, "
+        f"and a structural check will verify that `{new}` is defined and that no code "
+        f"refers to `{old}` any more. The tests are not part of the repository you see."
+    )
+
+
+def _static_prompt(text: str, failures) -> str:
+    del failures  # refactor requests do not quote test failures
+    return text
+
+
+def _changed_lines(before: str, after: str) -> int:
+    return sum(1 for a, b in zip(base.lines_of(before), base.lines_of(after)) if a != b)
+
+
+# ---- extract_function ----
+
+
+_EXTRACT_CHECK = """
+def _function(self, module):
+    scope = module
+    for part in SYMBOL.split("."):
+        found = [
+            n for n in scope.body
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and n.name == part
+        ]
+        self.assertTrue(found, f"{SYMBOL} is not defined in {FILE}")
+        scope = found[0]
+    return scope
+
+def test_helper_is_defined(self):
+    module = ast.parse(source(FILE))
+    helpers = [
+        n for n in ast.walk(module)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == HELPER
+    ]
+    self.assertTrue(helpers, f"{HELPER} is not defined in {FILE}")
+
+def test_function_calls_helper(self):
+    function = self._function(ast.parse(source(FILE)))
+    calls = [
+        n for n in ast.walk(function)
+        if isinstance(n, ast.Call)
+        and getattr(n.func, "id", getattr(n.func, "attr", None)) == HELPER
+    ]
+    self.assertTrue(calls, f"{SYMBOL} does not call {HELPER}")
+
+def test_statements_moved_out(self):
+    function = self._function(ast.parse(source(FILE)))
+    remaining = {ast.dump(n) for n in ast.walk(function) if isinstance(n, ast.stmt)}
+    kept = [s for s in EXTRACTED if s in remaining]
+    self.assertLessEqual(len(kept), 1, f"{SYMBOL} still contains the extracted code")
+"""
+
+
+def _bound_names(statements: list[ast.stmt], args: ast.arguments) -> list[str]:
+    """Names a function binds before the extracted tail: parameters, then locals."""
+    names = [a.arg for a in args.posonlyargs + args.args]
+    names += [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+    names += [a.arg for a in args.kwonlyargs]
+    for stmt in statements:
+        for n in ast.walk(stmt):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store | ast.Del):
+                names.append(n.id)
+            elif isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.append(n.name)
+            elif isinstance(n, ast.alias):
+                names.append(n.asname or n.name.split(".")[0])
+            elif isinstance(n, ast.ExceptHandler) and n.name:
+                names.append(n.name)
+    return list(dict.fromkeys(names))
+
+
+def _extractable(block: list[ast.stmt]) -> bool:
+    if not isinstance(block[-1], ast.Return) or block[-1].value is None:
+        return False
+    for stmt in block:
+        if base.contains_multiline_string(stmt):
+            return False
+        for n in ast.walk(stmt):
+            if isinstance(n, ast.Yield | ast.YieldFrom | ast.Await | ast.Global | ast.Nonlocal):
+                return False
+            name = getattr(n, "id", None) or getattr(n, "attr", None) or ""
+            if name in _FRAME_CALLS or name == "__class__":
+                return False
+            if name.startswith("__") and not name.endswith("__"):  # class-private mangling
+                return False
+    return True
+
+
+@base.register("extract_function", "refactor")
+def extract_function(repo: base.SourceRepo) -> list[base.Candidate]:
+    """Moves the tail of a function (ending in ``return``) into a new helper function."""
+    candidates = []
+    taken = set().union(*(base.name_tokens(t) for p, t in repo.tree.items() if p.endswith(".py")))
+    check_path = _check_file_path(repo)
+    for path in sorted(repo.target_files):
+        text = repo.tree[path]
+        module = base.parse(text, path)
+        if module is None:
+            continue
+        lines = base.lines_of(text)
+        for site in base.function_sites(module):
+            if isinstance(site.node, ast.AsyncFunctionDef) or len(site.body) < 3:
+                continue
+            candidate = _extract_candidate(repo, path, text, lines, site, taken, check_path)
+            if candidate is not None:
+                candidates.append(candidate)
+    return candidates
+
+
+def _extract_candidate(repo, path, text, lines, site, taken, check_path):
+    """The longest extractable tail of ``site`` (2+ statements, not the whole body)."""
+    body = site.body
+    for size in range(min(_MAX_EXTRACT_STATEMENTS, len(body) - 1), 1, -1):
+        block, before = body[-size:], body[:-size]
+        if not _extractable(block):
+            continue
+        helper = "_finish_" + site.name.strip("_")
+        if helper in taken:
+            return None
+        bound = _bound_names(before, site.node.args)
+        loaded = {
+            n.id
+            for stmt in block
+            for n in ast.walk(stmt)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+        }
+        params = [name for name in bound if name in loaded]
+        first, last = block[0].lineno, block[-1].end_lineno
+        block_lines = lines[first - 1 : last]
+        indent = base.indent_of(lines[first - 1])
+        body_text = textwrap.indent(textwrap.dedent("\n".join(block_lines)), "    ")
+        helper_def = [
+            "",
+            "",
+            f"def {helper}({', '.join(params)}):",
+            *base.lines_of(body_text),
+        ]
+        outer = site.class_node if site.class_node is not None else site.node
+        edit = base.SourceEdit(text)
+        edit.replace_lines(first, last, [f"{indent}return {helper}({', '.join(params)})"])
+        edit.insert_lines(outer.end_lineno, helper_def)
+        solution = edit.apply()
+        if base.parse(solution, path) is None:
+            return None
+        extracted = [ast.dump(stmt) for stmt in block]
+        tests = {
+            check_path: _check_source(
+                repo,
+                check_path,
+                _EXTRACT_CHECK,
+                {"FILE": path, "SYMBOL": site.symbol, "HELPER": helper, "EXTRACTED": extracted},
+            )
+        }
+        prompt = _extract_prompt(site, path, helper, size, first, last, lines, repo.prompt_style)
+        return base.Candidate(
+            generator="extract_function",
+            category="refactor",
+            file=path,
+            symbol=site.symbol,
+            start_changes={},
+            solution_changes={path: solution},
+            test_changes=tests,
+            prompt=functools.partial(_static_prompt, prompt),
+            features={
+                "statements_moved": size,
+                "lines_changed": last - first + 1,
+                "parameters": len(params),
+            },
+            description=f"extract the last {size} statements of {path}:{site.symbol}",
+        )
+    return None
+
+
+def _extract_prompt(site, path, helper, size, first, last, lines, style) -> str:
+    if style == "short":
+        return (
+            f"Refactor: in `{path}`, move the last {size} statements of `{site.symbol}` into a "
+            f"new function `{helper}` and return its result. Keep behaviour."
+        )
+    return (
+        f"Refactor request: in `{path}`, extract the last {size} statements of "
+        f"`{site.symbol}` (lines {first}-{last}, from `{lines[first - 1].strip()}` to the "
+        f"final `return`) into a new module-level function named `{helper}`, and make "
+        f"`{site.name}` return the result of calling it, passing what the moved code needs "
+        "as arguments. Behaviour must not change: the existing test suite must keep "
+        "passing, and a structural check will verify the extraction. The tests are not "
+        "part of the repository you see."
+    )

@@ -1,0 +1,116 @@
+"""From a task record to the harness: the agent's workspace and the grader's spec.
+
+    task = load_tasks("/data/tasks/train")[0]
+    spec = prepare_task(task, root)           # root/repo (pristine), root/hidden
+    shutil.copytree(spec.pristine_repo, workspace)   # the episode's private copy
+    ... agent works in Sandbox(workspace, **sandbox_kwargs(task)) ...
+    result = cursor_rl.env.grader.grade(spec, workspace)
+
+The spec runs exactly the record's FAIL_TO_PASS and PASS_TO_PASS ids with the
+record's interpreter (resolved for this machine, see ``environments.resolve``).
+
+Pure Python, no JAX.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from cursor_rl.env import grader
+from cursor_rl.tasks import environments, records
+
+
+def prepare_task(
+    task: records.TaskRecord, root: str, *, dataset_dir: str = "", **overrides: Any
+) -> grader.GradeSpec:
+    """Writes the task's pristine repository and hidden tests under ``root``.
+
+    Args:
+      task: the record.
+      root: an empty or missing directory; ``root/repo`` and ``root/hidden`` are created.
+      dataset_dir: the dataset directory (for ``dir`` snapshots).
+      **overrides: ``GradeSpec`` fields to override (limits, timeouts).
+
+    Returns:
+      The grading spec for this task.
+    """
+    repo, hidden = os.path.join(root, "repo"), os.path.join(root, "hidden")
+    records.materialize(task, repo, dataset_dir=dataset_dir)
+    os.makedirs(hidden, exist_ok=True)
+    records.write_tree(task.hidden_tests, hidden)
+    env = environments.resolve(task.environment)
+    fields: dict[str, Any] = {
+        "pristine_repo": repo,
+        "fail_to_pass": tuple(task.fail_to_pass),
+        "pass_to_pass": tuple(task.pass_to_pass),
+        "hidden_tests": hidden,
+        "python": env["python"],
+        "python_path": tuple(env["python_path"]),
+        "readonly_paths": tuple(env["readonly_paths"]),
+    }
+    fields.update(overrides)
+    return grader.GradeSpec(**fields)
+
+
+def sandbox_kwargs(task: records.TaskRecord) -> dict[str, Any]:
+    """Keyword arguments for the episode's ``Sandbox`` so the task's interpreter is there."""
+    env = environments.resolve(task.environment)
+    return {"readonly_paths": tuple(env["readonly_paths"])}
+
+
+def apply_patch_files(task: records.TaskRecord, workspace: str) -> None:
+    """Applies the reference solution to ``workspace`` (a materialized starting repo).
+
+    For tests, sanity checks and demonstrations; the agent never sees the patch.
+    """
+    for path, text in solution_files(task, workspace).items():
+        full = os.path.join(workspace, *path.split("/"))
+        if text is None:
+            os.remove(full)
+            continue
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def solution_files(task: records.TaskRecord, workspace: str) -> dict[str, str | None]:
+    """The files the reference solution changes: path -> new text (None: deleted).
+
+    Args:
+      task: the record.
+      workspace: a directory holding the task's starting repository.
+    """
+    out: dict[str, str | None] = {}
+    lines = records.split_lines(task.solution_patch)
+    i = 0
+    while i < len(lines):
+        if not lines[i].startswith("--- "):
+            i += 1
+            continue
+        old, new = lines[i][4:].strip(), lines[i + 1][4:].strip()
+        i += 2
+        path = (new if new != "/dev/null" else old)[2:]
+        source_path = os.path.join(workspace, *path.split("/"))
+        before = []
+        if old != "/dev/null":
+            with open(source_path, encoding="utf-8") as f:
+                before = records.split_lines(f.read())
+        after: list[str] = []
+        pos = 0
+        while i < len(lines) and lines[i].startswith("@@"):
+            start = int(lines[i].split()[1].split(",")[0][1:])
+            i += 1
+            hunk_start = max(start - 1, 0) if old != "/dev/null" else 0
+            after += before[pos:hunk_start]
+            pos = hunk_start
+            while i < len(lines) and lines[i][:1] in (" ", "-", "+"):
+                tag, body = lines[i][:1], lines[i][1:]
+                if tag in (" ", "-"):
+                    pos += 1
+                if tag in (" ", "+"):
+                    after.append(body)
+                i += 1
+        after += before[pos:]
+        out[path] = None if new == "/dev/null" else "".join(after)
+    return out
