@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -313,29 +314,44 @@ def test_limits_bound_the_command_not_the_host(workspace, limits, cmd, check):
 
 
 def test_a_crashed_harness_leaves_nothing_behind(workspace, monkeypatch):
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from cursor_rl.env.sandbox import Sandbox\n"
-            "sb = Sandbox(sys.argv[1]).__enter__()\n"
-            "print(sb.slot, flush=True)\n"
-            "sb.run('sleep 300', 300)\n",
-            workspace,
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    slot = int(child.stdout.readline())
-    child.kill()
-    child.wait()
-    uid = sandbox.UID_BASE + slot
-    stale_netns = os.path.join(netns.NETNS_DIR, f"cursor_rl_sb{slot}")
-    assert os.path.exists(stale_netns)  # a crash leaves state behind ...
+    def crash():
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from cursor_rl.env.sandbox import Sandbox\n"
+                "sb = Sandbox(sys.argv[1]).__enter__()\n"
+                "print(sb.slot, flush=True)\n"
+                "sb.run('sleep 300', 300)\n",
+                workspace,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        slot = int(child.stdout.readline())
+        uid = sandbox.UID_BASE + slot
+        while not sandbox._processes_of(uid):  # wait for the command to run
+            time.sleep(0.01)
+        child.kill()
+        child.wait()
+        deadline = time.monotonic() + 10
+        while sandbox._processes_of(uid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sandbox._processes_of(uid) == []  # the command died with its harness
+        stale_netns = os.path.join(netns.NETNS_DIR, f"cursor_rl_sb{slot}")
+        assert os.path.exists(stale_netns)  # but a crash leaves state behind ...
+        return slot, stale_netns
+
+    def assert_clean(slot, stale_netns):
+        assert sandbox._processes_of(sandbox.UID_BASE + slot) == []
+        assert not os.path.exists(stale_netns)
+        assert not os.path.exists(os.path.join(sandbox.STATE_ROOT, f"slot{slot}"))
+
+    slot, stale_netns = crash()
+    assert slot in sandbox.clean_stale_slots()  # ... which a supervisor can remove at once
+    assert_clean(slot, stale_netns)
+    slot, stale_netns = crash()
     monkeypatch.setattr(random, "randrange", lambda n: slot)
-    with Sandbox(workspace) as sb:  # ... which the slot's next holder removes
-        assert sb.slot == slot
-        assert sb.run("true", 10).exit_code == 0
-        live_root = sb.live_root
-    assert sandbox._processes_of(uid) == []
-    assert not os.path.exists(stale_netns) and not os.path.ismount(live_root)
+    with Sandbox(workspace) as sb:  # ... or the slot's next holder removes
+        assert sb.slot == slot and sb.run("true", 10).exit_code == 0
+    assert_clean(slot, stale_netns)

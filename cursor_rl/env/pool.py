@@ -41,7 +41,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from cursor_rl.env.protocol import ToolCall, ToolCallError
-from cursor_rl.env.sandbox import Limits, Sandbox
+from cursor_rl.env.sandbox import Limits, Sandbox, clean_stale_slots
 from cursor_rl.env.tools import ToolConfig, ToolResult, Tools
 
 _OPEN_CLOSE_TIMEOUT_S = 900.0  # copying a workspace in or out
@@ -148,6 +148,7 @@ class _Worker:
         self.process.kill()
         self.process.wait()
         self.conn.close()
+        clean_stale_slots()  # release the dead worker's tmpfs and namespaces now
         with self.pool._lock:
             self.pool._lost |= self.episodes
             self.episodes.clear()

@@ -5,9 +5,9 @@
 
 Each command runs as::
 
-    prlimit (rlimits) → nsenter (the sandbox's network namespace) → bwrap (new mount, PID,
-    IPC, UTS and cgroup namespaces; a read-only system view) → setpriv (the sandbox's
-    uid, no capabilities, no_new_privs) → /bin/sh -c CMD
+    setpriv (dies with the harness) → prlimit (rlimits) → nsenter (the sandbox's network
+    namespace) → bwrap (new mount, PID, IPC, UTS and cgroup namespaces; a read-only
+    system view) → setpriv (the sandbox's uid, no capabilities, no_new_privs) → sh -c CMD
 
 Inside, the agent sees ``/workspace`` (read-write), read-only ``/usr`` and a curated
 ``/etc``, fresh ``/proc`` and ``/dev``, private ``/tmp`` and ``/dev/shm``, the
@@ -22,8 +22,9 @@ Design choices:
    capabilities. Each live sandbox owns a *slot*, a flock-ed lock file that gives it
    a uid (``UID_BASE + slot``), a state directory and a namespace name, so
    ``RLIMIT_NPROC`` (counted per uid) bounds a fork bomb per episode, and sandboxes
-   cannot signal or ptrace each other. A slot left by a crashed harness is cleaned
-   (processes killed, mounts and namespace removed) by the next one to take it.
+   cannot signal or ptrace each other. A crashed harness takes its commands with it
+   (a parent-death signal); the mounts and namespace it leaves are removed by the
+   slot's next holder, or at once by ``clean_stale_slots``.
 2. **The workspace lives on a size-limited tmpfs** (``Limits.disk_bytes``,
    ``disk_inodes``): entering copies the workspace in, leaving syncs it back, so
    filling the disk fills only the sandbox's own quota. ``/tmp`` and ``/dev/shm``
@@ -32,11 +33,9 @@ Design choices:
    left out of the copy and the agent gets a fresh single-commit repository (so
    ``git diff``/``git status`` work); leaving syncs the tree back without touching
    the original ``.git``, which is therefore restored exactly (it never moved).
-4. **A command's processes die with it.** The PID namespace's init is killed on
-   timeout (found through bwrap's ``--info-fd`` and held by a pidfd, so a recycled
-   pid is never signalled); the kernel then kills every process in the namespace,
-   background daemons included. Output is kept head and tail (``output_bytes``) and
-   a command that writes more than ``output_kill_bytes`` is killed.
+4. **A command's processes die with it**, background daemons included: the PID
+   namespace ends with the command, and on a timeout or an output flood its init is
+   killed (``cursor_rl.env.supervise``); ``run`` returns once nothing is left.
 5. **Network = ``netns.NetworkNamespace``**: loopback plus forwarders for the
    allow-list, resolved up front; no DNS.
 6. **No silent fallback.** Without root or the system tools, entering raises
@@ -56,11 +55,9 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
-import json
 import os
 import random
-import select
-import selectors
+import re
 import shutil
 import signal
 import subprocess
@@ -70,6 +67,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from cursor_rl.env import fs, netns
+from cursor_rl.env.supervise import CommandResult, SandboxError, supervise
 
 STATE_ROOT = "/run/cursor_rl_sandbox"
 UID_BASE = 2_000_000  # far above regular users and the usual /etc/subuid ranges
@@ -95,11 +93,7 @@ _ETC_FILES = (
 )
 _USR_MERGED = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 _CHAIN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
-_KILL_GRACE_S = 5.0
-
-
-class SandboxError(RuntimeError):
-    """The sandbox could not be built or torn down (an infrastructure failure)."""
+_NETNS_PREFIX = "cursor_rl_sb"
 
 
 class SandboxUnavailableError(SandboxError):
@@ -133,50 +127,6 @@ class Limits:
     tmp_bytes: int = 512 << 20
     output_bytes: int = 256 << 10
     output_kill_bytes: int = 64 << 20
-
-
-@dataclasses.dataclass(frozen=True)
-class CommandResult:
-    """What a command did.
-
-    Attributes:
-      exit_code: the shell's status (128 + N when killed by signal N).
-      stdout: decoded stdout, with a marker where the middle was dropped.
-      stderr: decoded stderr, likewise, plus a note when the harness killed it.
-      timed_out: whether the wall-clock timeout killed it.
-    """
-
-    exit_code: int
-    stdout: str
-    stderr: str
-    timed_out: bool
-
-
-class _Capture:
-    """Keeps the head and tail of a stream (choice 4)."""
-
-    def __init__(self, keep: int):
-        self.head_limit = keep // 2
-        self.tail_limit = keep - self.head_limit
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def add(self, data: bytes):
-        self.total += len(data)
-        room = self.head_limit - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        self.tail += data
-        if len(self.tail) > 2 * self.tail_limit:
-            del self.tail[: -self.tail_limit]
-
-    def text(self) -> str:
-        tail = bytes(self.tail[-self.tail_limit :]) if self.tail_limit else b""
-        omitted = self.total - len(self.head) - len(tail)
-        middle = f"\n[... {omitted} bytes of output omitted ...]\n".encode() if omitted else b""
-        return (bytes(self.head) + middle + tail).decode("utf-8", errors="replace")
 
 
 @functools.cache
@@ -250,17 +200,79 @@ def _processes_of(uid: int) -> list[int]:
     return pids
 
 
-def _kill_uid(uid: int) -> None:
-    """Kills every process of a sandbox uid (only leftovers of a crashed harness)."""
-    for _ in range(10):
+def _kill_uid(uid: int) -> bool:
+    """Kills every process of a sandbox uid (leftovers of a crash); True if there were any."""
+    for attempt in range(10):
         pids = _processes_of(uid)
         if not pids:
-            return
+            return attempt > 0
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
     raise SandboxError(f"processes of sandbox uid {uid} survive SIGKILL: {_processes_of(uid)}")
+
+
+def _state_dir(slot: int) -> str:
+    return os.path.join(STATE_ROOT, f"slot{slot}")
+
+
+def _live_root(slot: int) -> str:
+    return os.path.join(_state_dir(slot), "ws")
+
+
+def _netns_name(slot: int) -> str:
+    return f"{_NETNS_PREFIX}{slot}"
+
+
+def _lock_slot(slot: int) -> int | None:
+    """The slot's flock-ed lock fd, or None when a live sandbox holds it."""
+    fd = os.open(os.path.join(STATE_ROOT, f"slot{slot}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _clean_slot(slot: int) -> None:
+    """Removes whatever a previous holder of this (locked) slot left."""
+    _kill_uid(UID_BASE + slot)
+    netns.NetworkNamespace.remove_stale(_netns_name(slot))
+    if os.path.isdir(_state_dir(slot)):
+        _unmount(_live_root(slot))
+        shutil.rmtree(_state_dir(slot))
+
+
+def clean_stale_slots() -> list[int]:
+    """Frees what sandboxes of dead processes left (tmpfs, namespace, processes).
+
+    A slot's next holder cleans it anyway; a supervisor that just lost a worker calls
+    this to release the memory at once. Slots held by live sandboxes are skipped.
+
+    Returns:
+      The slots that were cleaned.
+    """
+    if not os.path.isdir(STATE_ROOT):
+        return []
+    # A slot in use or left behind has a state directory or a namespace.
+    names = os.listdir(netns.NETNS_DIR) if os.path.isdir(netns.NETNS_DIR) else []
+    candidates = {int(n[len(_NETNS_PREFIX) :]) for n in names if n.startswith(_NETNS_PREFIX)}
+    candidates |= {
+        int(n[len("slot") :]) for n in os.listdir(STATE_ROOT) if re.fullmatch(r"slot\d+", n)
+    }
+    cleaned = []
+    for slot in sorted(candidates):
+        fd = _lock_slot(slot)
+        if fd is None:
+            continue
+        try:
+            _clean_slot(slot)
+            cleaned.append(slot)
+        finally:
+            os.close(fd)
+    return cleaned
 
 
 def _ancestors(path: str) -> list[str]:
@@ -328,16 +340,16 @@ class Sandbox:
 
     @property
     def _state_dir(self) -> str:
-        return os.path.join(STATE_ROOT, f"slot{self.slot}")
+        return _state_dir(self.slot)
 
     @property
     def live_root(self) -> str:
         """Host path of the live workspace (the tmpfs); only the harness may touch it."""
-        return os.path.join(self._state_dir, "ws")
+        return _live_root(self.slot)
 
     @property
     def _netns_name(self) -> str:
-        return f"cursor_rl_sb{self.slot}"
+        return _netns_name(self.slot)
 
     # ---- lifecycle ----
 
@@ -377,26 +389,12 @@ class Sandbox:
         start = random.randrange(MAX_SLOTS)
         for i in range(MAX_SLOTS):
             slot = (start + i) % MAX_SLOTS
-            fd = os.open(
-                os.path.join(STATE_ROOT, f"slot{slot}.lock"), os.O_RDWR | os.O_CREAT, 0o600
-            )
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            self._lock_fd, self.slot = fd, slot
-            self._clean_slot()
-            return
+            fd = _lock_slot(slot)
+            if fd is not None:
+                self._lock_fd, self.slot = fd, slot
+                _clean_slot(slot)
+                return
         raise SandboxError(f"all {MAX_SLOTS} sandbox slots are in use")
-
-    def _clean_slot(self):
-        """Removes whatever a previous holder of this slot left (choice 1)."""
-        _kill_uid(self.uid)
-        netns.NetworkNamespace.remove_stale(self._netns_name)
-        if os.path.isdir(self._state_dir):
-            _unmount(self.live_root)
-            shutil.rmtree(self._state_dir)
 
     def _teardown(self, sync_back: bool):
         if self._lock_fd is None:
@@ -411,7 +409,7 @@ class Sandbox:
                     self.live_root, self.workspace, exclude=self._exclude, owner=self._ws_owner()
                 )
         finally:
-            self._clean_slot()
+            _clean_slot(self.slot)
             os.close(self._lock_fd)
             self._lock_fd = None
 
@@ -476,6 +474,8 @@ class Sandbox:
     def _argv(self, cmd: str, info_fd: int) -> list[str]:
         lim = self.limits
         argv = [
+            # The chain, and through bwrap's --die-with-parent the command, die with us.
+            "setpriv", "--pdeathsig=KILL", "--",
             "prlimit",
             f"--cpu={lim.cpu_s}:{lim.cpu_s}",
             f"--as={lim.memory_bytes}:{lim.memory_bytes}",
@@ -563,144 +563,11 @@ class Sandbox:
             )
         finally:
             os.close(info_w)
-        with contextlib.closing(_Command(proc, info_r, self.limits)) as command:
-            return command.communicate(stdin, timeout_s)
-
-
-class _Command:
-    """One running command: feeds stdin, captures output, enforces time and output limits."""
-
-    def __init__(self, proc: subprocess.Popen, info_r: int, limits: Limits):
-        self.proc = proc
-        self.info_r = info_r
-        self.info = b""
-        self.init_pidfd: int | None = None  # the PID namespace's init (choice 4)
-        self.proc_pidfd = os.pidfd_open(proc.pid)
-        self.limits = limits
-        self.out = _Capture(limits.output_bytes)
-        self.err = _Capture(limits.output_bytes)
-        self.killed_for: str | None = None
-        self.exited = False
-
-    def close(self):
-        for fd in (self.info_r, self.proc_pidfd, self.init_pidfd):
-            if fd is not None:
-                os.close(fd)
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if stream is not None and not stream.closed:
-                stream.close()
-        if self.proc.poll() is None:  # only after an exception: never leave it behind
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def _read_info(self, data: bytes):
-        self.info += data
-        if self.init_pidfd is not None:
-            return
-        try:
-            pid = json.loads(self.info)["child-pid"]
-        except (ValueError, KeyError):  # not complete yet
-            return
-        self.init_pidfd = os.pidfd_open(pid)
-
-    def _kill(self, why: str):
-        self.killed_for = why
-        if self.init_pidfd is not None:
-            # SIGKILL to the namespace's init: the kernel kills everything inside.
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(self.init_pidfd, signal.SIGKILL)
-        else:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-
-    def _reap_namespace(self):
-        """Waits until the PID namespace is empty (choice 4).
-
-        bwrap reports the command's status as soon as the command exits, while its
-        init (killed by ``--die-with-parent``) may still be killing leftovers; the
-        init's pidfd turns readable only after the kernel has killed them all.
-        """
-        poller = select.poll()
-        poller.register(self.init_pidfd, select.POLLIN)
-        if not poller.poll(_KILL_GRACE_S * 1000):
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(self.init_pidfd, signal.SIGKILL)
-            if not poller.poll(_KILL_GRACE_S * 1000):
-                raise SandboxError("the sandbox's processes survive SIGKILL")
-
-    def communicate(self, stdin: bytes, timeout_s: float) -> CommandResult:
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ, self.out)
-        sel.register(self.proc.stderr, selectors.EVENT_READ, self.err)
-        sel.register(self.info_r, selectors.EVENT_READ, "info")
-        sel.register(self.proc_pidfd, selectors.EVENT_READ, "exit")
-        pending = memoryview(stdin)
-        if pending:
-            os.set_blocking(self.proc.stdin.fileno(), False)
-            sel.register(self.proc.stdin, selectors.EVENT_WRITE, "stdin")
-        deadline = time.monotonic() + timeout_s
-        drain_until = None  # after the command is gone, wait this long for pipes to close
-        try:
-            while sel.get_map():
-                now = time.monotonic()
-                if self.killed_for is None and not self.exited and now >= deadline:
-                    self._kill("timeout")
-                    drain_until = now + _KILL_GRACE_S
-                if drain_until is not None and now >= drain_until:
-                    break
-                wait = (drain_until if drain_until is not None else deadline) - now
-                for key, _ in sel.select(timeout=max(wait, 0.0)):
-                    if key.data == "exit":
-                        sel.unregister(key.fileobj)
-                        self.exited = True
-                        drain_until = time.monotonic() + _KILL_GRACE_S
-                    elif key.data == "stdin":
-                        try:
-                            pending = pending[os.write(key.fd, pending) :]
-                        except BrokenPipeError:
-                            pending = pending[:0]
-                        if not pending:
-                            sel.unregister(key.fileobj)
-                            self.proc.stdin.close()
-                    else:
-                        data = os.read(key.fd, 1 << 16)
-                        if not data:
-                            sel.unregister(key.fileobj)
-                        elif key.data == "info":
-                            self._read_info(data)
-                        else:
-                            key.data.add(data)
-                if (
-                    self.killed_for is None
-                    and not self.exited
-                    and self.out.total + self.err.total > self.limits.output_kill_bytes
-                ):
-                    self._kill("output")
-                    drain_until = time.monotonic() + _KILL_GRACE_S
-        finally:
-            sel.close()
-        try:
-            exit_code = self.proc.wait(timeout=_KILL_GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            exit_code = self.proc.wait()
-        if self.init_pidfd is None:
-            raise SandboxError(
-                f"the sandbox could not start the command: {self.err.text()[-2000:]}"
-            )
-        self._reap_namespace()
-        stderr = self.err.text()
-        if self.killed_for == "timeout":
-            stderr += (
-                f"\n[timed out after {timeout_s:g} s: the command and its processes were killed]"
-            )
-        elif self.killed_for == "output":
-            stderr += (
-                f"\n[more than {self.limits.output_kill_bytes} bytes of output: "
-                "the command and its processes were killed]"
-            )
-        return CommandResult(
-            exit_code=exit_code if exit_code >= 0 else 128 - exit_code,
-            stdout=self.out.text(),
-            stderr=stderr,
-            timed_out=self.killed_for == "timeout",
+        return supervise(
+            proc,
+            info_r,
+            stdin=stdin,
+            timeout_s=timeout_s,
+            output_bytes=self.limits.output_bytes,
+            output_kill_bytes=self.limits.output_kill_bytes,
         )
