@@ -34,3 +34,16 @@ def test_splits_module_imports_nothing_heavy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_task_factory_module_imports_jax():
+    code = (
+        "import pkgutil, sys, cursor_rl.tasks, cursor_rl.tasks.generators\n"
+        "for pkg in (cursor_rl.tasks, cursor_rl.tasks.generators):\n"
+        "    for info in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        __import__(info.name)\n"
+        "import cursor_rl.env.harness, cursor_rl.env.tools\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'grain')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -63,6 +63,11 @@ class BuildConfig:
       workers: repositories validated in parallel.
       runs: runs per state in validation.
       snapshot: ``archive`` (inline) or ``dir`` (``repos/<task_id>/`` beside the JSONL).
+      decontaminate_against: a training dataset; tasks whose solution overlaps its
+        tasks by more than ``decontaminate_threshold`` are dropped (reason
+        ``contaminated``). For benchmark builds of the tiny family, whose splits
+        share templates.
+      decontaminate_threshold: see above (n-gram overlap, ``cursor_rl.tasks.contamination``).
     """
 
     source: str
@@ -78,6 +83,8 @@ class BuildConfig:
     workers: int = 2
     runs: int = 2
     snapshot: str = "archive"
+    decontaminate_against: str = ""
+    decontaminate_threshold: float = 0.5
 
 
 @dataclasses.dataclass
@@ -261,8 +268,13 @@ def build_repo(
     return result
 
 
-def iter_repos(config: BuildConfig) -> Iterator[SourceRepo]:
-    """The repositories named by ``config.source`` (see ``cursor_rl.tasks.sources``)."""
+def iter_repos(config: BuildConfig, failures: list[dict[str, Any]]) -> Iterator[SourceRepo]:
+    """The repositories named by ``config.source`` (see ``cursor_rl.tasks.sources``).
+
+    A repository that Autoinstall cannot set up is appended to ``failures`` (reason
+    ``autoinstall_failed``, with Autoinstall's own reason and log path) instead of
+    ending the build.
+    """
     if config.source == "stdlib":
         yield from sources.stdlib_repos(config.split, config.modules or None)
     elif config.source == "tiny":
@@ -270,7 +282,18 @@ def iter_repos(config: BuildConfig) -> Iterator[SourceRepo]:
     else:
         from cursor_rl.tasks import autoinstall  # only repositories need it
 
-        yield autoinstall.repo_source(config.source, os.path.join(config.out, "autoinstall"))
+        workdir = os.path.join(config.out, "autoinstall")
+        try:
+            yield autoinstall.repo_source(config.source, workdir)
+        except autoinstall.AutoinstallFailed as e:
+            failures.append(
+                {
+                    "repo": config.source,
+                    "generator": "",
+                    "reason": "autoinstall_failed",
+                    "detail": f"{e.result.reason}; log in {e.result.workdir}",
+                }
+            )
 
 
 def build(config: BuildConfig, *, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -289,6 +312,7 @@ def build(config: BuildConfig, *, log: Callable[[str], None] = print) -> dict[st
     lock = threading.Lock()
     accepted = [0]
     results: list[RepoResult] = []
+    source_failures: list[dict[str, Any]] = []
 
     def budget() -> bool:
         return not config.count or accepted[0] < config.count
@@ -306,7 +330,7 @@ def build(config: BuildConfig, *, log: Callable[[str], None] = print) -> dict[st
     with futures.ThreadPoolExecutor(max(1, config.workers)) as pool:
         pending: dict[futures.Future, int] = {}
         order = 0
-        repos = iter_repos(config)
+        repos = iter_repos(config, source_failures)
         while True:
             while budget() and len(pending) < max(1, config.workers):
                 repo = next(repos, None)
@@ -321,18 +345,48 @@ def build(config: BuildConfig, *, log: Callable[[str], None] = print) -> dict[st
                 pending.pop(future)
                 results.append(future.result())
     results.sort(key=lambda r: r.repo.name)
+    for failure in source_failures:
+        log(f"{failure['repo']}: {failure['reason']} ({failure['detail']})")
+    if config.decontaminate_against:
+        _decontaminate(config, results)
     tasks = [t for r in results for t in r.tasks]
     if config.count:
         tasks = tasks[: config.count]
     records.write_tasks(tasks, os.path.join(config.out, records.TASKS_FILE))
     with open(os.path.join(config.out, REJECTIONS_FILE), "w", encoding="utf-8") as f:
+        for failure in source_failures:
+            f.write(json.dumps(failure) + "\n")
         for r in results:
             for rejection in r.rejections:
                 f.write(json.dumps(rejection) + "\n")
     stats = summarize(config, results, tasks, time.monotonic() - began)
+    for failure in source_failures:
+        stats["rejections"][failure["reason"]] = stats["rejections"].get(failure["reason"], 0) + 1
     with open(os.path.join(config.out, STATS_FILE), "w", encoding="utf-8") as f:
         json.dump(stats, f, indent=2, sort_keys=True)
     return stats
+
+
+def _decontaminate(config: BuildConfig, results: Sequence[RepoResult]) -> None:
+    """Drops tasks whose solution overlaps the training dataset (see ``BuildConfig``)."""
+    from cursor_rl.tasks import contamination
+
+    train = records.load_tasks(config.decontaminate_against)
+    tasks = [t for r in results for t in r.tasks]
+    report = contamination.check(tasks, train=train, threshold=config.decontaminate_threshold)
+    flagged = set(report["flagged"])
+    for r in results:
+        for task in [t for t in r.tasks if t.task_id in flagged]:
+            r.tasks.remove(task)
+            r.rejections.append(
+                {
+                    "repo": r.repo.name,
+                    "generator": task.generator,
+                    "candidate": task.task_id,
+                    "reason": "contaminated",
+                    "detail": f"solution overlaps {config.decontaminate_against}",
+                }
+            )
 
 
 def summarize(
@@ -426,6 +480,10 @@ def main(argv: Iterable[str] | None = None) -> int:
     flags.DEFINE_enum(
         "snapshot", "archive", ["archive", "dir"], "How repositories are stored.", flag_values=fv
     )
+    flags.DEFINE_string(
+        "decontaminate_against", "", "Drop tasks overlapping this train dataset.", flag_values=fv
+    )
+    flags.DEFINE_float("decontaminate_threshold", 0.5, "Overlap threshold.", flag_values=fv)
     fv(list(argv if argv is not None else sys.argv))
     if not fv.source or not fv.out:
         print("--source and --out are required", file=sys.stderr)
@@ -444,6 +502,8 @@ def main(argv: Iterable[str] | None = None) -> int:
         workers=fv.workers,
         runs=fv.runs,
         snapshot=fv.snapshot,
+        decontaminate_against=fv.decontaminate_against,
+        decontaminate_threshold=fv.decontaminate_threshold,
     )
     stats = build(config)
     print(format_stats(stats))

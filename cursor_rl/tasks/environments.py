@@ -54,10 +54,14 @@ def interpreter_environment() -> dict[str, Any]:
 def resolve(environment: Mapping[str, Any]) -> dict[str, Any]:
     """The recipe usable on this machine (see the module docstring).
 
+    An empty recipe means the running interpreter's base installation.
+
     Raises:
       TaskEnvironmentError: the recorded interpreter is missing and the running one has a
         different ``major.minor`` version.
     """
+    if not environment.get("python"):  # no recipe: the running interpreter's installation
+        return interpreter_environment()
     env = dict(environment)
     if os.path.exists(env["python"]):
         return env

@@ -98,10 +98,20 @@ def feature_prompt(
 
 
 def _failure_summary(detail: str, max_lines: int) -> str:
-    """The last meaningful lines of a traceback (the exception and its message)."""
-    lines = [line.strip() for line in detail.strip().splitlines() if line.strip()]
-    lines = [line for line in lines if not line.startswith(("File ", "Traceback", "^"))]
-    keep = "\n".join(lines[-max_lines:])
+    """The lines of a failure report that say what went wrong.
+
+    pytest marks its explanation with ``E``; a unittest traceback ends with the
+    failing line and the exception. File/traceback framing is dropped.
+    """
+    lines = [line.rstrip() for line in detail.strip().splitlines() if line.strip()]
+    explained = [line[1:].strip() for line in lines if line.startswith("E ")]
+    if explained:
+        keep = "\n".join(line for line in explained if line)  # pytest: its "E" lines
+        keep = "\n".join(keep.splitlines()[:max_lines])
+    else:
+        lines = [line.strip() for line in lines]
+        lines = [line for line in lines if not line.startswith(("File ", "Traceback", "^"))]
+        keep = "\n".join(lines[-max_lines:])
     return keep if len(keep) <= _DETAIL_CHARS else keep[: _DETAIL_CHARS - 3] + "..."
 
 

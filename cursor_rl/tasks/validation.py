@@ -50,6 +50,8 @@ REJECTION_REASONS = (
     "not_behavior_preserving",  # a refactor's start state fails a behavioural test
     "duplicate",  # same starting tree and tests as an accepted task
     "sandbox_error",  # the sandbox could not run the tests
+    "contaminated",  # (build) the solution overlaps the training tasks
+    "autoinstall_failed",  # (build) the repository could not be installed
 )
 _COLLECT_UNITTEST = """
 import json, sys, unittest

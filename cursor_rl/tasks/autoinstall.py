@@ -1,0 +1,1064 @@
+"""Autoinstall: make any Python repository installable and testable, then prove it.
+
+Before RL on real repositories, Cursor had an agent explore each repository, work
+out its install commands and write validation tests. This module does the same in
+two modes:
+
+* **heuristic** (``discover`` + ``install``): read the build files (``pyproject.toml``,
+  ``setup.py``/``setup.cfg``, ``requirements*.txt``, ``tox.ini``, ``noxfile.py``,
+  ``Makefile``, CI workflows), collect the dependencies and the test command, create
+  a virtualenv, install, write the validation test and run it;
+* **agent** (``agent_install``): a model gets the repository in the harness sandbox
+  with the harness tools (``cursor_rl.env.tools``) and proposes the commands itself;
+  its recipe is then checked by the same validation test, and the heuristic mode runs
+  as the fallback when the agent's recipe fails. Tests use the heuristic mode as the
+  oracle (a scripted agent replays its plan).
+
+Design choices:
+
+1. **Everything a repository controls runs in the sandbox** (``setup.py`` and build
+   backends execute code at install time): the sandbox workspace is the
+   environment directory ``ENV/`` holding ``repo/`` (a copy) and ``venv/``; the
+   network allow-list admits only the package index (the host's pip configuration
+   is carried in: its index URLs become allowed hosts, local ``file://`` indexes and
+   ``--find-links`` directories are mounted read-only).
+2. **Dependencies are installed, the project is not.** Tests must exercise the
+   agent's working tree, not a copy in ``site-packages``; the project's code is put
+   on ``sys.path`` (``python_path``: ``src`` for src layouts, else the root). A
+   project that needs compiling (C extensions) is recorded as a failure.
+3. **The validation test** (``ENV/autoinstall_check.py``, a unittest file) imports
+   every top-level package of the project (smoke test) and runs the discovered test
+   command, which must exit 0. The recipe (``recipe.json``) records the interpreter,
+   the virtualenv, the install commands and the test command, so the environment
+   can be rebuilt and checked again.
+4. **Failures are data.** ``autoinstall`` never raises: a failure returns a result
+   with a reason from ``FAILURE_REASONS`` and writes ``failure.json`` plus the log, so
+   a batch over many repositories always finishes.
+
+Pure Python, no JAX.
+"""
+
+from __future__ import annotations
+
+import ast
+import configparser
+import contextlib
+import dataclasses
+import glob
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tomllib
+import traceback
+import urllib.parse
+import zipfile
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from cursor_rl.env.sandbox import Limits, Sandbox, unavailable_reason
+from cursor_rl.tasks import environments
+from cursor_rl.tasks.generators.base import SourceRepo
+
+FAILURE_REASONS = (
+    "fetch_failed",  # the sdist could not be downloaded or unpacked
+    "no_tests_found",  # no test files and no test command
+    "sandbox_unavailable",  # this machine cannot run sandboxes
+    "venv_failed",  # the virtualenv could not be created
+    "install_failed",  # pip failed
+    "import_failed",  # the smoke test could not import the project
+    "tests_failed",  # the discovered test command did not exit 0
+    "crashed",  # an unexpected error (traceback in the log)
+)
+CHECK_FILE = "autoinstall_check.py"
+RECIPE_FILE = "recipe.json"
+FAILURE_FILE = "failure.json"
+LOG_FILE = "autoinstall.log"
+AGENT_RECIPE_FILE = "autoinstall.json"  # what the agent writes in its workspace
+_SKIP_DIRS = frozenset(
+    {".git", ".hg", ".tox", ".nox", ".venv", "venv", "env", "build", "dist", "__pycache__",
+     "node_modules", ".eggs", "site-packages", ".mypy_cache", ".pytest_cache", "docs"}
+)  # fmt: skip
+_NOT_PACKAGES = frozenset({"tests", "test", "testing", "docs", "doc", "examples", "benchmarks"})
+_NOT_MODULES = frozenset({"setup", "conftest", "noxfile", "fabfile", "tasks", "manage"})
+_TEST_EXTRAS = ("test", "tests", "testing", "dev")
+_TEST_TARGETS = ("test", "tests", "check", "unittest", "pytest")
+_PYPI_HOSTS = ("pypi.org:443", "files.pythonhosted.org:443")
+_PIP_KEYS = ("index-url", "extra-index-url", "find-links", "cert")
+_PIP_CONFIG_FILES = (
+    "/etc/pip.conf",
+    "/etc/xdg/pip/pip.conf",
+    "~/.pip/pip.conf",
+    "~/.config/pip/pip.conf",
+)
+
+
+class AutoinstallFailed(RuntimeError):
+    """A repository could not be installed (``result`` holds the reason and log)."""
+
+    def __init__(self, result: AutoinstallResult):
+        super().__init__(f"autoinstall of {result.repo} failed: {result.reason}")
+        self.result = result
+
+
+@dataclasses.dataclass(frozen=True)
+class Discovery:
+    """What the build files say about installing and testing a repository.
+
+    Attributes:
+      build_files: the build/CI files found (relative paths).
+      requirements: requirement specifiers to install.
+      requirement_files: requirement files to install with ``-r``.
+      framework: ``pytest`` or ``unittest``.
+      test_command: the command that runs the tests, from the repository root.
+      test_files: the test files (relative paths).
+      python_path: directories put on ``sys.path`` so the project imports.
+      packages: top-level packages and modules of the project (smoke test).
+      notes: where each decision came from.
+    """
+
+    build_files: tuple[str, ...]
+    requirements: tuple[str, ...]
+    requirement_files: tuple[str, ...]
+    framework: str
+    test_command: str
+    test_files: tuple[str, ...]
+    python_path: tuple[str, ...]
+    packages: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A recorded, validated environment (written as ``recipe.json``).
+
+    Attributes:
+      repo: the repository path installed.
+      mode: ``heuristic`` or ``agent``.
+      python: the virtualenv's interpreter (host path).
+      python_version: its version.
+      venv: the virtualenv directory.
+      readonly_paths: what a sandbox must mount to run ``python``.
+      python_path: repository directories put first on ``sys.path``.
+      install_commands: the commands that built the environment (run in ``ENV/``).
+      test_command: the test command (run in the repository with the venv first on PATH).
+      framework: ``pytest`` or ``unittest``.
+      test_files: the test files.
+      packages: the project's top-level packages and modules.
+      build_files: the build files read.
+    """
+
+    repo: str
+    mode: str
+    python: str
+    python_version: str
+    venv: str
+    readonly_paths: tuple[str, ...]
+    python_path: tuple[str, ...]
+    install_commands: tuple[str, ...]
+    test_command: str
+    framework: str
+    test_files: tuple[str, ...]
+    packages: tuple[str, ...]
+    build_files: tuple[str, ...] = ()
+
+    def environment(self) -> dict[str, Any]:
+        """The environment recipe a task record carries (see ``environments``)."""
+        return {
+            "python": self.python,
+            "python_version": self.python_version,
+            "readonly_paths": list(self.readonly_paths),
+            "python_path": list(self.python_path),
+            "venv": self.venv,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoinstallResult:
+    """The outcome for one repository (``ok`` with a recipe, or a reason and a log)."""
+
+    repo: str
+    ok: bool
+    reason: str
+    recipe: Recipe | None
+    log: str
+    workdir: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoinstallConfig:
+    """Settings of Autoinstall.
+
+    Attributes:
+      pip_args: pip options for every install; None derives them from the host's pip
+        configuration (index URLs, find-links), see choice 1.
+      allow_hosts: endpoints the install sandbox may reach; None: the package
+        indexes of ``pip_args`` plus PyPI.
+      base_python: the interpreter the virtualenv is made from (None: the running
+        one's base installation).
+      install_timeout_s: limit of each install command.
+      check_timeout_s: limit of the validation test.
+      limits: sandbox limits (None: the harness defaults).
+    """
+
+    pip_args: tuple[str, ...] | None = None
+    allow_hosts: tuple[str, ...] | None = None
+    base_python: str | None = None
+    install_timeout_s: float = 900.0
+    check_timeout_s: float = 600.0
+    limits: Limits | None = None
+
+
+# ---- reading build files ----
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _walk(repo: str) -> Iterable[str]:
+    """Relative paths of files worth reading (build dirs and environments skipped)."""
+    for dirpath, dirnames, filenames in os.walk(repo):
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info")
+        )
+        for name in sorted(filenames):
+            yield os.path.relpath(os.path.join(dirpath, name), repo).replace(os.sep, "/")
+
+
+def _requirement_name(spec: str) -> str:
+    return re.split(r"[\s\[<>=!~;@]", spec.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _pyproject(repo: str, notes: list[str]) -> tuple[list[str], str, bool]:
+    """Dependencies, project name and whether pytest is configured, from pyproject.toml."""
+    text = _read(os.path.join(repo, "pyproject.toml"))
+    if not text:
+        return [], "", False
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        notes.append(f"pyproject.toml does not parse: {e}")
+        return [], "", False
+    project = data.get("project", {})
+    deps = list(project.get("dependencies", []))
+    for extra in _TEST_EXTRAS:
+        deps += project.get("optional-dependencies", {}).get(extra, [])
+    poetry = data.get("tool", {}).get("poetry", {})
+    for section in (poetry.get("dependencies", {}), poetry.get("dev-dependencies", {})):
+        deps += [name for name in section if name.lower() != "python"]
+    for group in poetry.get("group", {}).values():
+        deps += [name for name in group.get("dependencies", {}) if name.lower() != "python"]
+    name = project.get("name") or poetry.get("name", "")
+    pytest_configured = "pytest" in data.get("tool", {})
+    if deps:
+        notes.append(f"pyproject.toml: {len(deps)} dependencies")
+    return deps, name, pytest_configured
+
+
+def _config(path: str) -> configparser.RawConfigParser:
+    parser = configparser.RawConfigParser(strict=False, interpolation=None)
+    with contextlib.suppress(configparser.Error):
+        parser.read_string(_read(path))
+    return parser
+
+
+def _lines(value: str) -> list[str]:
+    return [
+        v.strip() for v in re.split(r"[\n;]", value) if v.strip() and not v.strip().startswith("#")
+    ]
+
+
+def _setup_cfg(repo: str) -> tuple[list[str], str, bool]:
+    cfg = _config(os.path.join(repo, "setup.cfg"))
+    deps = _lines(cfg.get("options", "install_requires", fallback=""))
+    for extra in _TEST_EXTRAS:
+        deps += _lines(cfg.get("options.extras_require", extra, fallback=""))
+    deps += _lines(cfg.get("options", "tests_require", fallback=""))
+    return deps, cfg.get("metadata", "name", fallback=""), cfg.has_section("tool:pytest")
+
+
+def _setup_py(repo: str, notes: list[str]) -> tuple[list[str], str]:
+    """Literal ``install_requires``/``tests_require``/test extras of ``setup(...)``.
+
+    Parsed, never executed: running a repository's setup.py outside the sandbox
+    would run its code on the host.
+    """
+    text = _read(os.path.join(repo, "setup.py"))
+    if not text:
+        return [], ""
+    try:
+        module = ast.parse(text)
+    except SyntaxError:
+        notes.append("setup.py does not parse")
+        return [], ""
+    constants: dict[str, Any] = {}
+    for node in module.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Name):
+                with contextlib.suppress(ValueError):
+                    constants[target.id] = ast.literal_eval(node.value)
+
+    def value(node: ast.AST) -> Any:
+        if isinstance(node, ast.Name):
+            return constants.get(node.id)
+        try:
+            return ast.literal_eval(node)
+        except ValueError:
+            return None
+
+    deps: list[str] = []
+    name = ""
+    for node in ast.walk(module):
+        if not (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", getattr(node.func, "attr", "")) == "setup"
+        ):
+            continue
+        for kw in node.keywords:
+            found = value(kw.value)
+            if kw.arg in ("install_requires", "tests_require") and isinstance(found, list | tuple):
+                deps += [d for d in found if isinstance(d, str)]
+            elif kw.arg == "extras_require" and isinstance(found, dict):
+                for extra in _TEST_EXTRAS:
+                    deps += [d for d in found.get(extra, []) if isinstance(d, str)]
+            elif kw.arg == "name" and isinstance(found, str):
+                name = found
+    return deps, name
+
+
+def _requirement_files(repo: str, files: list[str]) -> list[str]:
+    wanted = []
+    for rel in files:
+        name = rel.rsplit("/", 1)[-1]
+        top = rel.count("/") == 0 or rel.startswith("requirements/")
+        if top and name.endswith(".txt") and "requirement" in name and "doc" not in name:
+            wanted.append(rel)
+    return wanted
+
+
+def _normalize_command(cmd: str) -> str | None:
+    """A test command as ``python -m pytest ...``/``python -m unittest ...``, or None."""
+    cmd = cmd.strip().lstrip("@-").strip()  # Make's silent / ignore-errors prefixes
+    cmd = re.sub(r"\{posargs[^}]*\}|\{toxinidir\}/?", "", cmd)
+    cmd = re.sub(r"\$\(PYTHON\)|\$\{PYTHON\}|\$PYTHON\b", "python", cmd)
+    cmd = re.sub(r"\$\(PYTEST\)|\$\{PYTEST\}", "pytest", cmd)
+    try:
+        tokens = shlex.split(cmd)
+    except ValueError:
+        return None
+    while tokens and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", tokens[0]):
+        tokens = tokens[1:]  # leading VAR=value assignments
+    if tokens[:3] == ["coverage", "run", "-m"]:
+        tokens = ["python", "-m", *tokens[3:]]
+    if not tokens:
+        return None
+    if tokens[0] in ("pytest", "py.test"):
+        tokens = ["python", "-m", "pytest", *tokens[1:]]
+    elif re.fullmatch(r"python[0-9.]*", tokens[0]):
+        tokens = ["python", *tokens[1:]]
+    if tokens[:3] not in (["python", "-m", "pytest"], ["python", "-m", "unittest"]):
+        return None
+    if any(t in ("&&", "||", ";", "|") for t in tokens):
+        return None
+    return shlex.join(tokens)
+
+
+def _makefile_commands(text: str) -> list[str]:
+    commands, target = [], None
+    for line in text.splitlines():
+        match = re.match(r"^([A-Za-z0-9_.-]+)\s*:(?!=)", line)
+        if match:
+            target = match.group(1)
+        elif line.startswith("\t") and target in _TEST_TARGETS:
+            commands.append(line.strip())
+        elif line.strip() and not line.startswith("\t"):
+            target = None
+    return commands
+
+
+def _tox_commands(repo: str) -> tuple[list[str], list[str]]:
+    cfg = _config(os.path.join(repo, "tox.ini"))
+    section = "testenv" if cfg.has_section("testenv") else None
+    if section is None:
+        return [], []
+    commands = _lines(cfg.get(section, "commands", fallback=""))
+    deps = [
+        d for d in _lines(cfg.get(section, "deps", fallback="")) if not d.startswith(("-", "."))
+    ]
+    return commands, deps
+
+
+def _nox_commands(text: str) -> list[str]:
+    commands = []
+    for match in re.finditer(r"session\.run\(([^)]*)\)", text):
+        try:
+            args = ast.literal_eval(f"({match.group(1)},)")
+        except (ValueError, SyntaxError):
+            continue
+        if all(isinstance(a, str) for a in args):
+            commands.append(shlex.join(args))
+    return commands
+
+
+def _ci_commands(repo: str, files: list[str]) -> list[str]:
+    commands = []
+    for rel in files:
+        if rel.startswith(".github/workflows/") or rel in (".travis.yml", ".gitlab-ci.yml"):
+            for line in _read(os.path.join(repo, rel)).splitlines():
+                match = re.match(
+                    r"^\s*(?:-\s*)?(?:run:\s*|script:\s*)?(.*(?:pytest|unittest).*)$", line
+                )
+                if match:
+                    commands.append(match.group(1).strip().strip("'\""))
+    return commands
+
+
+def _test_files(repo: str, files: list[str], framework: str) -> list[str]:
+    pattern = re.compile(
+        r"(^|/)(test_[^/]*|[^/]*_test)\.py$" if framework == "pytest" else r"(^|/)test[^/]*\.py$"
+    )
+    return [f for f in files if pattern.search(f) and not f.endswith("conftest.py")]
+
+
+def _uses_pytest(repo: str, test_files: list[str]) -> bool:
+    for rel in test_files:
+        text = _read(os.path.join(repo, rel))
+        if re.search(r"^\s*(import pytest|from pytest)", text, re.M):
+            return True
+        if re.search(r"^def test_", text, re.M) and "unittest" not in text:
+            return True
+    return False
+
+
+def _layout(repo: str, files: list[str]) -> tuple[list[str], list[str]]:
+    """(python_path, top-level packages and modules) of the project."""
+    python_path = ["src", "."] if os.path.isdir(os.path.join(repo, "src")) else ["."]
+    packages = []
+    for root in python_path:
+        base = os.path.join(repo, root)
+        for entry in sorted(os.listdir(base)):
+            full = os.path.join(base, entry)
+            if entry in _NOT_PACKAGES or entry.startswith((".", "_")) or entry in _SKIP_DIRS:
+                continue
+            if os.path.isfile(os.path.join(full, "__init__.py")):
+                packages.append(entry)
+            elif entry.endswith(".py") and os.path.isfile(full):
+                name = entry[:-3]
+                if (
+                    name not in _NOT_MODULES
+                    and not name.startswith("test")
+                    and not name.endswith("_test")
+                ):
+                    packages.append(name)
+    return python_path, sorted(set(packages))
+
+
+def discover(repo: str) -> Discovery:
+    """Reads a repository's build files (see the module docstring).
+
+    Args:
+      repo: the repository directory.
+
+    Returns:
+      What to install, how to test, where the code is.
+    """
+    notes: list[str] = []
+    files = list(_walk(repo))
+    build_names = (
+        "pyproject.toml",
+        "setup.py",
+        "setup.cfg",
+        "tox.ini",
+        "noxfile.py",
+        "Makefile",
+        "pytest.ini",
+    )
+    build_files = [f for f in files if f in build_names or f.startswith(".github/workflows/")]
+    build_files += [f for f in files if f in (".travis.yml", ".gitlab-ci.yml")]
+    req_files = _requirement_files(repo, files)
+    build_files += req_files
+    deps, name, pytest_cfg = _pyproject(repo, notes)
+    cfg_deps, cfg_name, cfg_pytest = _setup_cfg(repo)
+    py_deps, py_name = _setup_py(repo, notes)
+    tox_cmds, tox_deps = _tox_commands(repo)
+    deps += cfg_deps + py_deps + tox_deps
+    project = (
+        _requirement_name(name or cfg_name or py_name) if (name or cfg_name or py_name) else ""
+    )
+    candidates: list[tuple[str, str]] = [(c, "tox.ini") for c in tox_cmds]
+    candidates += [
+        (c, "noxfile.py") for c in _nox_commands(_read(os.path.join(repo, "noxfile.py")))
+    ]
+    candidates += [
+        (c, "Makefile") for c in _makefile_commands(_read(os.path.join(repo, "Makefile")))
+    ]
+    candidates += [(c, "CI") for c in _ci_commands(repo, files)]
+    test_command = ""
+    for raw, origin in candidates:
+        normalized = _normalize_command(raw)
+        if normalized:
+            test_command = normalized
+            notes.append(f"test command from {origin}: {raw!r}")
+            break
+    pytest_hint = (
+        pytest_cfg
+        or cfg_pytest
+        or "pytest.ini" in files
+        or "conftest.py" in [f.rsplit("/", 1)[-1] for f in files]
+    )
+    if test_command:
+        framework = "pytest" if "pytest" in test_command else "unittest"
+    else:
+        framework = (
+            "pytest"
+            if pytest_hint or _uses_pytest(repo, _test_files(repo, files, "pytest"))
+            else "unittest"
+        )
+    test_files = _test_files(repo, files, framework)
+    if not test_command and test_files:
+        if framework == "pytest":
+            test_command = "python -m pytest -q"
+        else:
+            dirs = sorted({f.rsplit("/", 1)[0] if "/" in f else "." for f in test_files})
+            start = dirs[0] if len(dirs) == 1 else "."
+            test_command = f"python -m unittest discover -s {start} -t ."
+        notes.append(f"test command from the test files ({framework})")
+    if framework == "pytest" and "pytest" not in {_requirement_name(d) for d in deps}:
+        deps.append("pytest")
+    deps = [
+        d for d in dict.fromkeys(d.strip() for d in deps) if d and _requirement_name(d) != project
+    ]
+    python_path, packages = _layout(repo, files)
+    return Discovery(
+        build_files=tuple(sorted(set(build_files))),
+        requirements=tuple(deps),
+        requirement_files=tuple(req_files),
+        framework=framework,
+        test_command=test_command,
+        test_files=tuple(test_files),
+        python_path=tuple(python_path),
+        packages=tuple(packages),
+        notes=tuple(notes),
+    )
+
+
+# ---- pip configuration and the install sandbox ----
+
+
+def host_pip_options() -> tuple[list[str], list[str], list[str]]:
+    """(pip args, allowed hosts, read-only paths) from the host's pip configuration.
+
+    Index URLs and find-links become ``--index-url``/``--extra-index-url``/``--find-links``
+    (remote ones add their host to the allow-list, local ones are mounted); a
+    configured CA bundle (``cert``) is passed on, since the sandbox has no pip config.
+    """
+    settings: dict[str, list[str]] = {key: [] for key in _PIP_KEYS}
+    for path in _PIP_CONFIG_FILES:
+        cfg = _config(os.path.expanduser(path))
+        for key in _PIP_KEYS:
+            settings[key] += cfg.get("global", key, fallback="").split()
+    for key in _PIP_KEYS:
+        settings[key] += os.environ.get("PIP_" + key.upper().replace("-", "_"), "").split()
+    args, hosts, paths = [], list(_PYPI_HOSTS), []
+    for key in _PIP_KEYS:
+        for value in dict.fromkeys(settings[key]):
+            parsed = urllib.parse.urlparse(value)
+            if parsed.scheme in ("http", "https"):
+                port = parsed.port or (443 if parsed.scheme == "https" else 80)
+                hosts.append(f"{parsed.hostname}:{port}")
+            else:
+                local = parsed.path if parsed.scheme == "file" else value
+                if not os.path.exists(local):
+                    continue
+                local = os.path.realpath(local if os.path.isdir(local) else os.path.dirname(local))
+                # A PEP 503 index's pages link to files beside it (../../files/...).
+                paths.append(os.path.dirname(local) if local.endswith("/simple") else local)
+            args += [f"--{key}", value]
+            if key == "cert":
+                break  # one CA bundle
+    return args, list(dict.fromkeys(hosts)), list(dict.fromkeys(paths))
+
+
+def _reachable(hosts: Sequence[str]) -> list[str]:
+    """The hosts that resolve (the sandbox resolves its allow-list up front)."""
+    import socket
+
+    found = []
+    for entry in hosts:
+        host, _, port = entry.rpartition(":")
+        try:
+            socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except (OSError, ValueError):
+            continue
+        found.append(entry)
+    return found
+
+
+class _Installer:
+    """Runs commands in the install sandbox over ``ENV/`` (repo copy + venv)."""
+
+    def __init__(self, repo: str, workdir: str, config: AutoinstallConfig):
+        self.repo = os.path.abspath(repo)
+        self.workdir = os.path.abspath(workdir)
+        self.env_dir = os.path.join(self.workdir, "env")
+        self.config = config
+        pip_args, hosts, paths = host_pip_options()
+        self.pip_args = list(config.pip_args) if config.pip_args is not None else pip_args
+        self.allow_hosts = _reachable(
+            config.allow_hosts if config.allow_hosts is not None else hosts
+        )
+        self.base_python = config.base_python or environments.base_interpreter()
+        base_prefix = os.path.realpath(os.path.join(os.path.dirname(self.base_python), ".."))
+        self.readonly = sorted({base_prefix, *paths})
+        self.log: list[str] = []
+
+    def prepare(self) -> None:
+        if os.path.exists(self.env_dir):
+            shutil.rmtree(self.env_dir)
+        os.makedirs(self.env_dir)
+        shutil.copytree(
+            self.repo,
+            os.path.join(self.env_dir, "repo"),
+            ignore=shutil.ignore_patterns(".git", ".tox", ".nox", "__pycache__", "*.pyc", ".venv"),
+            symlinks=True,
+        )
+
+    def sandbox(self) -> Sandbox:
+        path = "/workspace/venv/bin:/usr/local/bin:/usr/bin:/bin"
+        return Sandbox(
+            self.env_dir,
+            allow_hosts=self.allow_hosts,
+            limits=self.config.limits,
+            readonly_paths=self.readonly,
+            env={"PATH": path, "PIP_NO_INPUT": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+        )
+
+    def run(self, sb: Sandbox, cmd: str, timeout_s: float) -> bool:
+        result = sb.run(cmd, timeout_s=timeout_s)
+        status = f"exit {result.exit_code}" + (", timed out" if result.timed_out else "")
+        self.log.append(f"$ {cmd}\n[{status}]\n{result.stdout[-6000:]}{result.stderr[-6000:]}")
+        return result.exit_code == 0 and not result.timed_out
+
+    def install_commands(self, discovery: Discovery) -> list[str]:
+        commands = [shlex.join([self.base_python, "-m", "venv", "venv"])]
+        specs = list(discovery.requirements)
+        for rel in discovery.requirement_files:
+            specs += ["-r", f"repo/{rel}"]
+        if specs:
+            commands.append(
+                shlex.join(["venv/bin/python", "-m", "pip", "install", *self.pip_args, *specs])
+            )
+        return commands
+
+    def write_check(self, recipe_parts: dict[str, Any]) -> None:
+        with open(os.path.join(self.env_dir, CHECK_FILE), "w", encoding="utf-8") as f:
+            f.write(
+                check_source(
+                    recipe_parts["packages"],
+                    recipe_parts["python_path"],
+                    recipe_parts["test_command"],
+                )
+            )
+
+    def check(self, sb: Sandbox) -> str:
+        """Runs the validation test; returns a failure reason or ``""``."""
+        result = sb.run(f"venv/bin/python {CHECK_FILE} -v", timeout_s=self.config.check_timeout_s)
+        output = result.stdout[-8000:] + result.stderr[-8000:]
+        self.log.append(f"$ venv/bin/python {CHECK_FILE} -v\n[exit {result.exit_code}]\n{output}")
+        if result.exit_code == 0:
+            return ""
+        if re.search(r"test_imports \(.*\) \.\.\. (FAIL|ERROR)", output):
+            return "import_failed"
+        return "tests_failed"
+
+
+def check_source(packages: Sequence[str], python_path: Sequence[str], test_command: str) -> str:
+    """The validation test: import smoke test plus the discovered test command."""
+    return f'''"""Autoinstall validation test (generated by cursor_rl.tasks.autoinstall).
+
+Run from the environment directory with the virtualenv's interpreter:
+    venv/bin/python {CHECK_FILE}
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+import unittest
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "repo")
+PYTHON_PATH = {list(python_path)!r}
+PACKAGES = {list(packages)!r}
+TEST_COMMAND = {test_command!r}
+
+
+class AutoinstallCheck(unittest.TestCase):
+    def test_imports(self):
+        sys.path[:0] = [os.path.join(REPO, p) for p in PYTHON_PATH]
+        for name in PACKAGES:
+            with self.subTest(package=name):
+                importlib.import_module(name)
+
+    def test_suite(self):
+        env = dict(os.environ)
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+        env["PYTHONPATH"] = os.pathsep.join(os.path.join(REPO, p) for p in PYTHON_PATH)
+        result = subprocess.run(TEST_COMMAND, shell=True, cwd=REPO, env=env,
+                                capture_output=True, text=True)
+        self.assertEqual(result.returncode, 0, result.stdout[-3000:] + result.stderr[-3000:])
+
+
+if __name__ == "__main__":
+    unittest.main()
+'''
+
+
+def _finish(
+    workdir: str, repo: str, reason: str, recipe: Recipe | None, log: list[str]
+) -> AutoinstallResult:
+    text = "\n".join(log)
+    with open(os.path.join(workdir, LOG_FILE), "w", encoding="utf-8") as f:
+        f.write(text)
+    if recipe is not None and not reason:
+        with open(os.path.join(workdir, RECIPE_FILE), "w", encoding="utf-8") as f:
+            json.dump(dataclasses.asdict(recipe), f, indent=2)
+    else:
+        with open(os.path.join(workdir, FAILURE_FILE), "w", encoding="utf-8") as f:
+            json.dump(
+                {"repo": repo, "reason": reason, "log": LOG_FILE, "tail": text[-4000:]}, f, indent=2
+            )
+    return AutoinstallResult(
+        repo, not reason, reason, recipe if not reason else None, text, workdir
+    )
+
+
+def _recipe(
+    installer: _Installer, discovery: Discovery, commands: Sequence[str], mode: str
+) -> Recipe:
+    venv = os.path.join(installer.env_dir, "venv")
+    return Recipe(
+        repo=installer.repo,
+        mode=mode,
+        python=os.path.join(venv, "bin", "python"),
+        python_version=_version_of(installer.base_python),
+        venv=venv,
+        readonly_paths=tuple(sorted({os.path.realpath(venv), *installer.readonly})),
+        python_path=discovery.python_path,
+        install_commands=tuple(commands),
+        test_command=discovery.test_command,
+        framework=discovery.framework,
+        test_files=discovery.test_files,
+        packages=discovery.packages,
+        build_files=discovery.build_files,
+    )
+
+
+def _version_of(python: str) -> str:
+    try:
+        out = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
+                             capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def autoinstall(
+    repo: str,
+    workdir: str,
+    config: AutoinstallConfig | None = None,
+    *,
+    discovery: Discovery | None = None,
+) -> AutoinstallResult:
+    """Heuristic Autoinstall of one repository; never raises (choice 4).
+
+    Args:
+      repo: the repository directory (left untouched).
+      workdir: where the environment (``env/``), recipe, validation test and logs go.
+      config: settings.
+      discovery: use this plan instead of reading the build files (the agent mode
+        passes its own).
+
+    Returns:
+      The result; ``result.recipe`` is set when the validation test passed.
+    """
+    config = config or AutoinstallConfig()
+    os.makedirs(workdir, exist_ok=True)
+    log: list[str] = []
+    try:
+        reason = unavailable_reason()
+        if reason is not None:
+            return _finish(workdir, repo, "sandbox_unavailable", None, [reason])
+        discovery = discovery or discover(repo)
+        log.append(f"discovery: {json.dumps(dataclasses.asdict(discovery), indent=1)}")
+        if not discovery.test_command or not discovery.test_files:
+            return _finish(workdir, repo, "no_tests_found", None, log)
+        installer = _Installer(repo, workdir, config)
+        installer.log = log
+        installer.prepare()
+        commands = installer.install_commands(discovery)
+        installer.write_check(dataclasses.asdict(discovery))
+        with installer.sandbox() as sb:
+            for i, cmd in enumerate(commands):
+                if not installer.run(sb, cmd, config.install_timeout_s):
+                    return _finish(
+                        workdir, repo, "venv_failed" if i == 0 else "install_failed", None, log
+                    )
+            reason = installer.check(sb)
+        recipe = _recipe(installer, discovery, commands, "heuristic")
+        return _finish(workdir, repo, reason, recipe, log)
+    except Exception:  # a batch must survive anything one repository does (choice 4)
+        log.append(traceback.format_exc())
+        return _finish(workdir, repo, "crashed", None, log)
+
+
+def autoinstall_batch(
+    repos: Sequence[str], out: str, config: AutoinstallConfig | None = None
+) -> list[AutoinstallResult]:
+    """Autoinstall of many repositories into ``out/<index>-<name>/``; never raises."""
+    results = []
+    for i, repo in enumerate(repos):
+        name = os.path.basename(os.path.normpath(repo)) or "repo"
+        results.append(autoinstall(repo, os.path.join(out, f"{i:04d}-{name}"), config))
+    return results
+
+
+# ---- agent mode ----
+
+AGENT_SYSTEM = (
+    "You set up Python repositories so that their tests can run. You work in a sandbox "
+    "through tools; the repository is in `repo/`."
+)
+AGENT_TASK = """Make the repository in `repo/` installable and testable.
+
+1. Create a virtualenv: `{python} -m venv venv` (in the workspace root, not in repo/).
+2. Install what the repository needs to run its tests with
+   `venv/bin/python -m pip install {pip_args}...` (read pyproject.toml, setup.py,
+   setup.cfg, requirements*.txt, tox.ini, Makefile, CI files).
+   Do not install the project itself: its tests must import the code in repo/.
+3. Find the command that runs the tests from inside repo/ (`python` is the venv's).
+4. Write `{recipe_file}` (workspace root) as JSON with the keys: "install_commands" (the
+   commands you ran, from the workspace root), "test_command", "framework" ("pytest" or
+   "unittest"), "python_path" (directories of repo/ to put on sys.path, e.g. ["."] or
+   ["src", "."]), "packages" (the project's top-level import names), "test_files".
+5. Call submit.
+"""
+
+# A policy maps the prompt's token ids to one sampled assistant turn's token ids.
+Policy = Callable[[list[int]], list[int]]
+
+
+def agent_install(
+    repo: str,
+    workdir: str,
+    policy: Policy,
+    chat: Any,
+    config: AutoinstallConfig | None = None,
+    *,
+    max_turns: int = 30,
+) -> AutoinstallResult:
+    """Agent-mode Autoinstall, with the heuristic mode as the fallback; never raises.
+
+    The model works in the install sandbox with the harness tools
+    (``cursor_rl.env.tools``) and writes its recipe; the recipe is accepted only if the
+    validation test passes in a fresh sandbox with the environment it built.
+
+    Args:
+      repo: the repository directory.
+      workdir: as for ``autoinstall``.
+      policy: the model (``Policy``), e.g. a ``Sampler.generate`` wrapper.
+      chat: the ``cursor_rl.env.protocol.ChatFormat`` of the model's tokenizer.
+      config: settings.
+      max_turns: assistant turns before the episode is cut.
+
+    Returns:
+      The agent's result (``recipe.mode == "agent"``) or the heuristic fallback's.
+    """
+    from cursor_rl.env.harness import AgentEpisode
+    from cursor_rl.env.tools import TOOL_SPECS, Tools
+
+    config = config or AutoinstallConfig()
+    os.makedirs(workdir, exist_ok=True)
+    log: list[str] = []
+    try:
+        if unavailable_reason() is not None:
+            return _finish(workdir, repo, "sandbox_unavailable", None, [str(unavailable_reason())])
+        installer = _Installer(repo, workdir, config)
+        installer.log = log
+        installer.prepare()
+        task = AGENT_TASK.format(
+            python=installer.base_python,
+            pip_args=" ".join(installer.pip_args) + " " if installer.pip_args else "",
+            recipe_file=AGENT_RECIPE_FILE,
+        )
+        with installer.sandbox() as sb:
+            tools = Tools(sb)
+            episode = AgentEpisode(chat, TOOL_SPECS, tools.execute, system=AGENT_SYSTEM, task=task,
+                                   max_turns=max_turns)  # fmt: skip
+            while not episode.done:
+                step = episode.step(policy(episode.prompt()))
+                for call, result in zip(step.parsed.calls, step.results):
+                    log.append(f"agent: {call}\n{result.text[-2000:]}")
+        claimed = _agent_recipe(os.path.join(installer.env_dir, AGENT_RECIPE_FILE))
+        if claimed is not None:
+            discovery, commands = claimed
+            installer.write_check(dataclasses.asdict(discovery))
+            with installer.sandbox() as sb:
+                reason = installer.check(sb)
+            if not reason:
+                return _finish(
+                    workdir, repo, "", _recipe(installer, discovery, commands, "agent"), log
+                )
+            log.append(f"agent recipe rejected by the validation test: {reason}")
+        else:
+            log.append("the agent wrote no valid recipe")
+    except Exception:
+        log.append(traceback.format_exc())
+    fallback = autoinstall(repo, os.path.join(workdir, "heuristic"), config)
+    note = "\n".join(log)
+    with open(os.path.join(workdir, LOG_FILE), "w", encoding="utf-8") as f:
+        f.write(note + "\n--- heuristic fallback ---\n" + fallback.log)
+    return dataclasses.replace(fallback, log=note + "\n--- heuristic fallback ---\n" + fallback.log)
+
+
+def _agent_recipe(path: str) -> tuple[Discovery, list[str]] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        framework = data["framework"]
+        if framework not in ("pytest", "unittest") or not isinstance(data["test_command"], str):
+            return None
+        discovery = Discovery(
+            build_files=(),
+            requirements=(),
+            requirement_files=(),
+            framework=framework,
+            test_command=data["test_command"],
+            test_files=tuple(str(t) for t in data.get("test_files", [])),
+            python_path=tuple(str(p) for p in data.get("python_path", ["."])),
+            packages=tuple(str(p) for p in data.get("packages", [])),
+            notes=("agent",),
+        )
+        return discovery, [str(c) for c in data.get("install_commands", [])]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# ---- repositories as task sources ----
+
+
+def fetch_sdist(requirement: str, dest: str) -> str:
+    """Downloads a PyPI source distribution with pip and unpacks it; returns its root.
+
+    Raises:
+      AutoinstallFailed: pip could not download it or the archive is not an sdist.
+    """
+    download = os.path.join(dest, "download")
+    os.makedirs(download, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+           "--no-build-isolation", "-d", download, requirement]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    archives = sorted(
+        glob.glob(os.path.join(download, "*.tar.gz")) + glob.glob(os.path.join(download, "*.zip"))
+    )
+    if proc.returncode != 0 or not archives:
+        result = AutoinstallResult(
+            requirement, False, "fetch_failed", None, proc.stdout + proc.stderr, dest
+        )
+        raise AutoinstallFailed(result)
+    src = os.path.join(dest, "src")
+    os.makedirs(src, exist_ok=True)
+    if archives[0].endswith(".zip"):
+        with zipfile.ZipFile(archives[0]) as zf:
+            zf.extractall(src)
+    else:
+        with tarfile.open(archives[0]) as tf:
+            tf.extractall(src, filter="data")
+    roots = [os.path.join(src, d) for d in os.listdir(src) if os.path.isdir(os.path.join(src, d))]
+    return roots[0] if len(roots) == 1 else src
+
+
+def repo_source(spec: str, workdir: str, config: AutoinstallConfig | None = None) -> SourceRepo:
+    """A repository (``PATH`` or ``sdist:NAME[==VERSION]``) as a task source, via Autoinstall.
+
+    Raises:
+      AutoinstallFailed: the repository could not be installed and tested (the
+        result, with its reason and log, is attached and written under ``workdir``).
+    """
+    os.makedirs(workdir, exist_ok=True)
+    if spec.startswith("sdist:"):
+        path = fetch_sdist(spec[len("sdist:") :], workdir)
+        repo_id = "pypi:" + spec[len("sdist:") :]
+    else:
+        path = os.path.abspath(spec)
+        repo_id = path
+    result = autoinstall(path, workdir, config)
+    if not result.ok:
+        raise AutoinstallFailed(result)
+    recipe = result.recipe
+    tree = {}
+    for rel in _walk(path):
+        try:
+            with open(os.path.join(path, rel), encoding="utf-8") as f:
+                tree[rel] = f.read()
+        except (UnicodeDecodeError, OSError):
+            continue  # binary files are not part of a text task tree
+    test_files = tuple(f for f in recipe.test_files if f in tree)
+    targets = {}
+    for rel in tree:
+        if not rel.endswith(".py") or rel in test_files:
+            continue
+        for root in recipe.python_path:
+            prefix = "" if root == "." else root.rstrip("/") + "/"
+            inner = rel[len(prefix) :] if rel.startswith(prefix) else None
+            if inner is None:
+                continue
+            dotted = inner[: -len(".py")].replace("/", ".").removesuffix(".__init__")
+            if dotted.split(".")[0] in recipe.packages:
+                targets[rel] = dotted
+                break
+    name = os.path.basename(os.path.normpath(path))
+    return SourceRepo(
+        name=re.sub(r"[^A-Za-z0-9_.-]", "_", name),
+        tree=tree,
+        test_files=test_files,
+        target_files=targets,
+        test_framework=recipe.framework,
+        test_command=recipe.test_command,
+        setup_commands=recipe.install_commands,
+        source="sdist" if spec.startswith("sdist:") else "local",
+        repo=repo_id,
+        family="repo",
+        environment=recipe.environment(),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m cursor_rl.tasks.autoinstall --out=DIR PATH...``: install and report."""
+    from absl import flags
+
+    fv = flags.FlagValues()
+    flags.DEFINE_string("out", None, "Where environments, recipes and logs go.", flag_values=fv)
+    rest = fv(list(argv if argv is not None else sys.argv))[1:]
+    if not fv.out or not rest:
+        print("usage: python -m cursor_rl.tasks.autoinstall --out=DIR PATH...", file=sys.stderr)
+        return 2
+    results = autoinstall_batch(rest, fv.out)
+    for r in results:
+        status = "ok" if r.ok else f"FAILED ({r.reason})"
+        detail = f": {r.recipe.test_command}" if r.recipe else f"; log: {r.workdir}/{LOG_FILE}"
+        print(f"{r.repo}: {status}{detail}")
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

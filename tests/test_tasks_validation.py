@@ -1,0 +1,145 @@
+"""Validation: the selection logic (scripted outcomes) and real runs in the harness sandbox."""
+
+import os
+import shutil
+
+import pytest
+from test_tasks_generators import by_description, shapes_repo
+
+from cursor_rl.env import grader, sandbox
+from cursor_rl.tasks import build, generators, grading, sources, validation
+from cursor_rl.tasks.generators.base import Candidate
+
+needs_sandbox = pytest.mark.skipif(
+    sandbox.unavailable_reason() is not None, reason=f"{sandbox.unavailable_reason()}"
+)
+
+
+def _candidate(**overrides) -> Candidate:
+    fields = dict(
+        generator="flip_comparison",
+        category="bug",
+        file="geometry.py",
+        symbol="clamp",
+        start_changes={"geometry.py": "# broken\n"},
+        prompt=lambda failures: "fix",
+        features={},
+    )
+    fields.update(overrides)
+    return Candidate(**fields)
+
+
+class ScriptedValidator(validation.RepoValidator):
+    """Outcomes come from a script instead of the sandbox (logic tests only)."""
+
+    def __init__(self, script):
+        super().__init__(shapes_repo())
+        self.script = list(script)  # one {test_id: status} per run_tests call
+        self.calls = 0
+
+    def collect(self, tree, hidden):
+        return sorted({t for run in self.script for t in run})
+
+    def run_tests(self, start, workspace, hidden, test_ids):
+        statuses = self.script[self.calls]
+        self.calls += 1
+        return {t: grader.TestOutcome(t, statuses.get(t, "not_run"), 0.01, "") for t in test_ids}
+
+
+P, F = "passed", "failed"
+
+
+def test_flaky_tests_are_dropped_from_the_baseline_and_candidates():
+    v = ScriptedValidator(
+        [
+            {"a": P, "b": P, "c": P, "flaky": P},  # baseline run 1
+            {"a": P, "b": P, "c": P, "flaky": F},  # baseline run 2
+            {"a": F, "b": F, "c": P},  # start run 1
+            {"a": F, "b": P, "c": P},  # start run 2: b is flaky on the start state
+        ]
+    )
+    assert v.baseline() is None
+    assert v.stable == ["a", "b", "c"]
+    task = v.validate(_candidate())
+    assert isinstance(task, validation.ValidatedTask)
+    assert task.fail_to_pass == ["a"] and task.pass_to_pass == ["c"] and task.flaky_dropped == 1
+
+
+@pytest.mark.parametrize(
+    "start_runs, reason",
+    [
+        ([{"a": P, "b": P}], "no_fail_to_pass"),  # second run skipped: nothing failed
+        ([{"a": F, "b": F}, {"a": F, "b": F}], "no_pass_to_pass"),
+        ([{"a": F, "b": P}, {"a": P, "b": P}], "flaky"),
+        ([{"a": "timeout", "b": P}], "timeout"),
+    ],
+)
+def test_rejections_are_named(start_runs, reason):
+    v = ScriptedValidator([{"a": P, "b": P}, {"a": P, "b": P}, *start_runs])
+    assert v.baseline() is None
+    outcome = v.validate(_candidate())
+    assert isinstance(outcome, validation.Rejection) and outcome.reason == reason
+    assert outcome.reason in validation.REJECTION_REASONS
+    assert v.calls == 2 + len(start_runs)
+
+
+def test_baseline_without_passing_tests_is_rejected():
+    v = ScriptedValidator([{"a": F}, {"a": F}])
+    assert v.baseline().reason == "baseline_no_passing_tests"
+
+
+@needs_sandbox
+def test_fixture_candidates_validate_in_the_sandbox():
+    repo = shapes_repo()
+    v = validation.RepoValidator(repo)
+    assert v.baseline() is None
+    assert len(v.stable) == 8  # every fixture test passes twice
+    removed = by_description(generators.get("remove_function_body").fn(repo), ":perimeter")
+    task = v.validate(removed)
+    assert sorted(task.fail_to_pass) == [
+        "test_geometry.FunctionsTest.test_perimeter_empty",
+        "test_geometry.FunctionsTest.test_perimeter_square",
+        "test_report.DescribeTest.test_triangle",
+    ]
+    assert "test_geometry.FunctionsTest.test_clamp" in task.pass_to_pass
+    untested = _candidate(
+        start_changes={
+            "geometry.py": repo.tree["geometry.py"] + "\n\ndef unused():\n    return 1\n"
+        }
+    )
+    assert v.validate(untested).reason == "no_fail_to_pass"
+    no_import = _candidate(start_changes={"geometry.py": "raise ImportError('gone')\n"})
+    assert v.validate(no_import).reason == "no_pass_to_pass"
+    renamed = by_description(generators.get("rename_symbol").fn(repo), "clamp")
+    task = v.validate(renamed)
+    assert sorted(task.fail_to_pass) == [
+        "test_refactor_check.RefactorCheck.test_new_name_is_defined",
+        "test_refactor_check.RefactorCheck.test_old_name_is_gone",
+    ]
+    assert len(task.pass_to_pass) == 8
+
+
+@needs_sandbox
+def test_stdlib_task_validates_and_grades(tmp_path):
+    repo = sources.stdlib_repo("colorsys")
+    v = validation.RepoValidator(repo)
+    assert v.baseline() is None
+    cand = by_description(generators.get("remove_function_body").fn(repo), ":rgb_to_hls")
+    task = v.validate(cand)
+    assert isinstance(task, validation.ValidatedTask), task
+    record = build.make_record(
+        repo, task, split="bench", out=str(tmp_path), snapshot="archive",
+        environment=v.environment, runs=2,
+    )  # fmt: skip
+    assert record.provenance.module == "colorsys" and record.provenance.symbol == "rgb_to_hls"
+    assert "test_colorsys.py" not in grading.records.snapshot_tree(record.repo)  # hidden
+    spec = grading.prepare_task(record, str(tmp_path / "task"))
+    unsolved = grader.grade(spec, spec.pristine_repo)
+    assert not unsolved.resolved and not any(unsolved.fail_to_pass.values())
+    assert all(unsolved.pass_to_pass.values())
+    workspace = str(tmp_path / "ws")
+    shutil.copytree(spec.pristine_repo, workspace)
+    grading.apply_patch_files(record, workspace)
+    with open(os.path.join(workspace, "colorsys.py")) as f:
+        assert f.read() == repo.tree["colorsys.py"]
+    assert grader.grade(spec, workspace).resolved
