@@ -5,15 +5,13 @@ import shutil
 
 import pytest
 
-from cursor_rl.env import sandbox, testing
+from cursor_rl.env import testing
 from cursor_rl.env.grader import GradeSpec, framework_of, grade
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _needs_sandbox():
-    reason = sandbox.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
+    testing.skip_without_sandbox()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cursor_rl.env import sandbox
+from cursor_rl.env import testing
 from cursor_rl.env.pool import ToolPool
 from cursor_rl.env.protocol import ToolCall
 from cursor_rl.env.tools import ToolConfig
@@ -16,9 +16,7 @@ from cursor_rl.env.tools import ToolConfig
 
 @pytest.fixture(autouse=True, scope="module")
 def _needs_sandbox():
-    reason = sandbox.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
+    testing.skip_without_sandbox()
 
 
 def terminal(command, timeout_s=30):

@@ -24,9 +24,7 @@ BROKEN = 'raise NotImplementedError("multiply")'
 
 @pytest.fixture(autouse=True, scope="module")
 def _needs_sandbox():
-    reason = sandbox.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
+    testing.skip_without_sandbox()
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +160,20 @@ def test_monkeypatching_the_test_framework(chat, task, tmp_path, framework, patc
     expected = "error" if framework == "unittest" and "TestCase.run" in patch else "tampered"
     assert result.tests[task.spec(framework).fail_to_pass[0]].status == expected
     assert not result.resolved
+
+
+def test_tampering_before_the_session_starts(chat, tmp_path):
+    # The repository's own conftest imports the package, so the agent's code runs while
+    # pytest is still configuring, before any test; ``print`` is no pytest code either.
+    task = testing.make_toy_task(str(tmp_path / "task"))
+    with open(os.path.join(task.repo, "conftest.py"), "w") as f:
+        f.write("import calc  # noqa: F401\n")
+    turns = [
+        [set_multiply("    return None\n")],
+        [write("calc/__init__.py", "import unittest\nunittest.TestCase.assertEqual = print\n")],
+    ]
+    _, result = play(chat, task, tmp_path, turns, framework="pytest")
+    assert result.tests[testing.PYTEST_F2P].status == "tampered" and not result.resolved
 
 
 def test_registering_a_pytest_plugin(chat, task, tmp_path):

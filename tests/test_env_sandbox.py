@@ -24,9 +24,7 @@ from cursor_rl.env.sandbox import Limits, Sandbox, SandboxUnavailableError
 
 @pytest.fixture(autouse=True, scope="module")
 def _needs_sandbox():
-    reason = sandbox.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
+    testing.skip_without_sandbox()
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from cursor_rl.env import sandbox
+from cursor_rl.env import sandbox, testing
 from cursor_rl.env.protocol import ToolCall, ToolCallError
 from cursor_rl.env.sandbox import Sandbox
 from cursor_rl.env.tools import ToolConfig, Tools, truncate
@@ -12,9 +12,7 @@ from cursor_rl.env.tools import ToolConfig, Tools, truncate
 
 @pytest.fixture(autouse=True, scope="module")
 def _needs_sandbox():
-    reason = sandbox.unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
+    testing.skip_without_sandbox()
 
 
 @pytest.fixture(scope="module")

@@ -279,6 +279,8 @@ def _run_group(
         cmd += ["--", *remaining]
         result = sb.run(shlex.join(cmd), timeout_s=budget, stdin=f"{nonce}\n".encode())
         logs.append(result.stderr[-4000:])
+        if result.timed_out:
+            flags.add("timeout")
         run = _Run(result.stdout, nonce)
         if run.forged:
             flags.add("forged_report")

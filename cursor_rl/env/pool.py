@@ -36,12 +36,11 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 from cursor_rl.env.protocol import ToolCall, ToolCallError
-from cursor_rl.env.sandbox import Limits, Sandbox, clean_stale_slots
+from cursor_rl.env.sandbox import Sandbox, clean_stale_slots
 from cursor_rl.env.tools import ToolConfig, ToolResult, Tools
 
 _OPEN_CLOSE_TIMEOUT_S = 900.0  # copying a workspace in or out
@@ -273,17 +272,13 @@ class ToolPool:
         worker.requests.put(_Request(op, episode_id, payload, deadline_s, future))
         return future
 
-    def open_episode(
-        self,
-        workspace: str,
-        *,
-        allow_hosts: Sequence[str] = (),
-        limits: Limits | None = None,
-        hide_git_history: bool = True,
-        readonly_paths: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-    ) -> PoolEpisode:
-        """Enters a sandbox for ``workspace`` on the least loaded worker (``Sandbox`` args).
+    def open_episode(self, workspace: str, **sandbox_args: Any) -> PoolEpisode:
+        """Enters a sandbox for ``workspace`` on the least loaded worker.
+
+        Args:
+          workspace: the episode's private copy of the repository.
+          **sandbox_args: ``Sandbox``'s keyword arguments (``allow_hosts``, ``limits``,
+            ``hide_git_history``, ``readonly_paths``, ``env``).
 
         Raises:
           RuntimeError: the sandbox could not be entered (the worker's error message).
@@ -292,15 +287,7 @@ class ToolPool:
         with self._lock:
             worker = min(self._workers, key=lambda w: len(w.episodes))
             worker.episodes.add(episode_id)
-        sandbox_args = {
-            "workspace": workspace,
-            "allow_hosts": tuple(allow_hosts),
-            "limits": limits,
-            "hide_git_history": hide_git_history,
-            "readonly_paths": tuple(readonly_paths),
-            "env": dict(env or {}),
-        }
-        payload = {"sandbox": sandbox_args, "config": self.tool_config}
+        payload = {"sandbox": {"workspace": workspace, **sandbox_args}, "config": self.tool_config}
         try:
             self._enqueue(worker, "open", episode_id, payload, _OPEN_CLOSE_TIMEOUT_S, None).result()
         except BaseException:

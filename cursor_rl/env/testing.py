@@ -17,6 +17,7 @@ import sys
 import sysconfig
 
 from cursor_rl.data.tokenizer import Tokenizer
+from cursor_rl.env import sandbox
 from cursor_rl.env.grader import GradeSpec
 
 SOLUTION = "def multiply(a, b):\n    return a * b\n"
@@ -126,6 +127,15 @@ def make_toy_task(root: str) -> ToyTask:
     _git(repo, "pack-refs", "--all")
     _write(os.path.join(hidden, "tests", "test_ops.py"), HIDDEN_TESTS)
     return ToyTask(repo=repo, hidden_tests=hidden)
+
+
+def skip_without_sandbox() -> None:
+    """Skips the calling test when this machine cannot run sandboxes, saying why."""
+    import pytest  # only tests call this; pytest is not a dependency of the harness
+
+    reason = sandbox.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def tiny_tokenizer(vocab_size: int = 600) -> Tokenizer:

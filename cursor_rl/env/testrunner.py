@@ -27,23 +27,28 @@ with the task's interpreter (stdlib only, no project import)::
 
 Design choices:
 
-1. **Isolated interpreter.** ``-I`` ignores ``PYTHON*`` variables, the user site and
-   the current directory, so a ``sitecustomize.py``/``usercustomize.py`` or ``.pth``
-   file in the repository is never imported at start-up; ``--path`` entries are
-   added only afterwards. ``-X pycache_prefix`` (on a fresh ``/tmp``) makes Python
-   and pytest ignore any ``__pycache__`` in the repository, so planted bytecode for a
-   hidden test is never loaded.
+1. **Isolated interpreter, framework first.** ``-I`` ignores ``PYTHON*`` variables,
+   the user site and the current directory, so a ``sitecustomize.py``,
+   ``usercustomize.py`` or ``.pth`` file in the repository is never imported at
+   start-up. The test framework (``unittest``; pytest with the plugins it always
+   loads) is imported before the ``--path`` entries join ``sys.path``, so a
+   repository file named ``unittest.py`` or ``pytest.py`` cannot stand in for it.
+   ``-X pycache_prefix`` (on a fresh ``/tmp``) makes Python and pytest ignore any
+   ``__pycache__`` in the repository, so planted bytecode for a hidden test is never
+   loaded.
 2. **The repository shadows the interpreter.** Modules the runner imported itself
    (``unittest`` pulls in ``heapq``, ``difflib``, ``fnmatch``, ...) are dropped from
    ``sys.modules`` when the repository provides them, so the tests import the
    repository's version. The test framework itself (``unittest``; pytest and its
    dependencies) and modules loaded at interpreter start-up (``os``, ``io``,
    ``codecs``...) stay the interpreter's.
-3. **Tamper evidence.** Before any repository code runs, the runner records every
+3. **Tamper evidence.** Before any repository code can run, the runner records every
    function and class in the test framework's modules, in ``builtins`` and in itself,
-   the trace and profile hooks and, for pytest, which plugins are registered. After
-   each test it compares; a test that ran after any change reports ``tampered``.
-   Plugins defined in the repository other than ``conftest.py`` count as a change.
+   and the trace and profile hooks. After each test it compares; a test that ran
+   after any change reports ``tampered`` (the one patch pytest applies to itself
+   while configuring is accepted, if it comes from pytest's own code). For pytest, a
+   hook that runs, collects or reports tests implemented in the repository outside
+   a ``conftest.py`` counts as a change too, whenever it was registered.
 4. **Exits prove nothing.** The exit status is ignored; a test without a result record
    crashed (``os._exit``, a signal) and the grader reruns the tests after it in a
    fresh process. The runner leaves with ``os._exit`` so threads or ``atexit``
@@ -130,6 +135,23 @@ class Integrity:
             bad.append("sys.settrace/sys.setprofile")
         return bad
 
+    def accept_self_patches(self, labels, framework_dirs):
+        """Takes in the patches the framework applies to itself while configuring.
+
+        An entry named in ``labels`` may change once, to a function whose code lives
+        under ``framework_dirs``; any other change stays a violation.
+        """
+        for i, (label, space, key, obj) in enumerate(self._items):
+            new = space.get(key)
+            code = getattr(new, "__code__", None)
+            if (
+                label in labels
+                and new is not obj
+                and code is not None
+                and code.co_filename.startswith(framework_dirs)
+            ):
+                self._items[i] = (label, space, key, new)
+
 
 def _evict_shadowed(repo_paths, framework_packages):
     """Drops modules the repository provides from ``sys.modules`` (choice 2)."""
@@ -167,12 +189,10 @@ def _flatten(suite):
         yield suite
 
 
-def run_unittest(test_ids, repo_paths, emit):
+def run_unittest(test_ids, integrity, emit):
     """Runs unittest ids as one suite (so class and module fixtures run) and reports each."""
     import unittest
 
-    _evict_shadowed(repo_paths, _UNITTEST_PACKAGES)
-    integrity = Integrity(_UNITTEST_PACKAGES)
     loader = unittest.TestLoader()
     tests = []
     for test_id in test_ids:
@@ -254,24 +274,40 @@ def run_unittest(test_ids, repo_paths, emit):
             _report_error(emit, test.id(), "; ".join(result.fixture_errors) or "not run")
 
 
-def run_pytest(test_ids, repo_paths, emit):
+# What pytest patches in itself while configuring (legacypath), accepted by choice 3.
+_PYTEST_SELF_PATCHES = frozenset({"_pytest.config.Config._getini_unknown_type"})
+# Hooks through which a plugin decides what runs and what is reported (choice 3).
+_REPORTING_HOOKS = (
+    "pytest_collection_modifyitems",
+    "pytest_make_collect_report",
+    "pytest_collectreport",
+    "pytest_runtest_protocol",
+    "pytest_runtest_setup",
+    "pytest_runtest_call",
+    "pytest_runtest_teardown",
+    "pytest_runtest_makereport",
+    "pytest_runtest_logreport",
+    "pytest_pyfunc_call",
+    "pytest_report_teststatus",
+)
+
+
+def run_pytest(test_ids, integrity, emit):
     """Runs pytest node ids in one session with a reporting plugin."""
     import pytest
 
-    _evict_shadowed(repo_paths, _PYTEST_PACKAGES)
     wanted = set(test_ids)
     root = os.getcwd()
 
-    def repo_plugins(config):
-        """Ids of registered plugins defined in the repository outside a conftest.py."""
-        found = set()
-        for plugin in config.pluginmanager.get_plugins():
-            module = plugin
-            if not isinstance(plugin, types.ModuleType):
-                module = sys.modules.get(type(plugin).__module__)
-            path = getattr(module, "__file__", None) or ""
-            if path.startswith(root + os.sep) and os.path.basename(path) != "conftest.py":
-                found.add(id(plugin))
+    def repo_hooks(config):
+        """Reporting hooks implemented in the repository outside a conftest.py."""
+        found = []
+        for name in _REPORTING_HOOKS:
+            for impl in getattr(config.hook, name).get_hookimpls():
+                code = getattr(impl.function, "__code__", None)
+                path = code.co_filename if code else ""
+                if path.startswith(root + os.sep) and os.path.basename(path) != "conftest.py":
+                    found.append(f"{name} from {path}")
         return found
 
     class Plugin:
@@ -279,8 +315,6 @@ def run_pytest(test_ids, repo_paths, emit):
 
         def __init__(self):
             self.config = None
-            self.integrity = None
-            self.baseline = set()
             self.outcomes = {}
             self.t0 = {}
 
@@ -288,8 +322,8 @@ def run_pytest(test_ids, repo_paths, emit):
             self.config = config
 
         def pytest_sessionstart(self, session):
-            self.integrity = Integrity(_PYTEST_PACKAGES)
-            self.baseline = repo_plugins(self.config)
+            framework_dir = os.path.dirname(sys.modules["_pytest"].__file__) + os.sep
+            integrity.accept_self_patches(_PYTEST_SELF_PATCHES, framework_dir)
 
         def pytest_collectreport(self, report):
             if report.failed:
@@ -320,16 +354,27 @@ def run_pytest(test_ids, repo_paths, emit):
             if report.when != "teardown":
                 return
             status, detail = self.outcomes.pop(nodeid, ("error", "no outcome reported"))
-            extra = []
-            if repo_plugins(self.config) - self.baseline:
-                extra.append("a plugin defined in the repository was registered")
-            tampered = _tampered(self.integrity, extra)
+            tampered = _tampered(integrity, repo_hooks(self.config))
             if tampered:
                 status, detail = "tampered", tampered
             duration = time.perf_counter() - self.t0.pop(nodeid)
             emit("result", id=nodeid, status=status, duration=duration, detail=_detail(detail))
 
     pytest.main(["-p", "no:cacheprovider", "-q", "--rootdir", root, *test_ids], plugins=[Plugin()])
+
+
+def _import_framework(framework):
+    """Imports what the framework will use, before the repository is importable (choice 1)."""
+    import importlib
+    import unittest  # noqa: F401  (pytest runs TestCase classes too)
+
+    if framework == "pytest":
+        from _pytest.config import default_plugins
+
+        for name in default_plugins:
+            importlib.import_module(f"_pytest.{name}")
+        return _PYTEST_PACKAGES
+    return _UNITTEST_PACKAGES
 
 
 def main(argv):
@@ -354,10 +399,13 @@ def main(argv):
     os.dup2(devnull, 0)
     os.close(devnull)
     emit = Reporter(report_fd, nonce)
-    sys.path[:0] = paths
     sys.argv[:] = [sys.argv[0]]
     try:
-        (run_unittest if framework == "unittest" else run_pytest)(test_ids, paths, emit)
+        packages = _import_framework(framework)
+        integrity = Integrity(packages)
+        sys.path[:0] = paths
+        _evict_shadowed(paths, packages)
+        (run_unittest if framework == "unittest" else run_pytest)(test_ids, integrity, emit)
         emit("done")
     finally:
         sys.stdout.flush()
