@@ -110,3 +110,12 @@ def test_unsafe_paths_are_refused(tmp_path):
 def test_split_lines_keeps_form_feeds_inside_lines():
     assert records.split_lines("a\x0cb\nc") == ["a\x0cb\n", "c"]
     assert records.split_lines("a\n") == ["a\n"]
+
+
+def test_solve_rates_are_attached_in_place(tmp_path):
+    records.write_tasks([make_record(), make_record(task_id="t-2")], str(tmp_path / "tasks.jsonl"))
+    assert records.attach_solve_rates(str(tmp_path), {"t-2": (3, 4), "missing": (1, 1)}) == 1
+    first, second = records.load_tasks(str(tmp_path))
+    assert "solve_rate" not in first.difficulty
+    assert second.difficulty["solve_rate"] == 0.75 and second.difficulty["solve_attempts"] == 4.0
+    assert second.difficulty["lines_changed"] == 1.0  # static features stay

@@ -139,6 +139,10 @@ def test_stdlib_task_validates_and_grades(tmp_path):
     assert all(unsolved.pass_to_pass.values())
     workspace = str(tmp_path / "ws")
     shutil.copytree(spec.pristine_repo, workspace)
+    # The agent's sandbox runs the task's interpreter and cannot see the hidden tests.
+    with sandbox.Sandbox(workspace, **grading.sandbox_kwargs(record)) as sb:
+        probe = sb.run("python -c 'import platform; print(platform.python_version())'; ls", 60)
+    assert probe.stdout.split() == [record.environment["python_version"], "colorsys.py"]
     grading.apply_patch_files(record, workspace)
     with open(os.path.join(workspace, "colorsys.py")) as f:
         assert f.read() == repo.tree["colorsys.py"]

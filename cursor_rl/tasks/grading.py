@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from cursor_rl.env import grader
+from cursor_rl.env.sandbox import HARNESS_DIR
 from cursor_rl.tasks import environments, records
 
 
@@ -54,9 +55,12 @@ def prepare_task(
 
 
 def sandbox_kwargs(task: records.TaskRecord) -> dict[str, Any]:
-    """Keyword arguments for the episode's ``Sandbox`` so the task's interpreter is there."""
+    """Keyword arguments for the episode's ``Sandbox``: the task's interpreter is mounted
+    and is the ``python`` on ``PATH`` (the agent tests with what grading uses)."""
     env = environments.resolve(task.environment)
-    return {"readonly_paths": tuple(env["readonly_paths"])}
+    bin_dir = os.path.dirname(env["python"])
+    path = f"{HARNESS_DIR}/bin:{bin_dir}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
+    return {"readonly_paths": tuple(env["readonly_paths"]), "env": {"PATH": path}}
 
 
 def apply_patch_files(task: records.TaskRecord, workspace: str) -> None:

@@ -19,7 +19,8 @@ it, frozen at build time:
 * ``solution_patch``: a unified diff from ``repo`` to the reference solution (never
   shown to the agent; used by the contamination check and for demonstrations).
 * ``category`` (feature, bug, refactor), ``generator`` (its registry name),
-  ``difficulty`` (static features; the RL loop adds measured solve rates), and
+  ``difficulty`` (static features; the RL loop adds measured solve rates with
+  ``attach_solve_rates``), and
   ``provenance`` (``source``, ``repo``, ``module``, ``file``, ``symbol``).
 
 Design choices:
@@ -260,6 +261,37 @@ def write_tasks(records: Iterable[TaskRecord], path: str) -> int:
             f.write(json.dumps(record.to_json(), sort_keys=True, ensure_ascii=False) + "\n")
             count += 1
     return count
+
+
+def attach_solve_rates(
+    path: str, outcomes: Mapping[str, tuple[int, int]], *, prefix: str = "solve"
+) -> int:
+    """Adds measured solve rates to a dataset's difficulty features, in place.
+
+    The RL loop (or an eval) calls this with what it observed; static features stay.
+
+    Args:
+      path: a ``.jsonl`` file or a dataset directory.
+      outcomes: task id -> (episodes solved, episodes attempted).
+      prefix: feature names written: ``{prefix}_rate`` and ``{prefix}_attempts``.
+
+    Returns:
+      How many records were updated.
+    """
+    tasks = load_tasks(path)
+    updated = 0
+    for i, task in enumerate(tasks):
+        if task.task_id in outcomes:
+            solved, attempts = outcomes[task.task_id]
+            difficulty = dict(task.difficulty)
+            difficulty[f"{prefix}_rate"] = solved / attempts if attempts else 0.0
+            difficulty[f"{prefix}_attempts"] = float(attempts)
+            tasks[i] = dataclasses.replace(task, difficulty=difficulty)
+            updated += 1
+    target = os.path.join(path, TASKS_FILE) if os.path.isdir(path) else path
+    write_tasks(tasks, target + ".tmp")
+    os.replace(target + ".tmp", target)  # readers never see a half-written file
+    return updated
 
 
 # ---- file trees and snapshots ----

@@ -37,6 +37,7 @@ import random
 import sys
 import types
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from cursor_rl.tasks import environments, splits
 from cursor_rl.tasks.generators.base import SourceRepo
@@ -81,29 +82,39 @@ class TinyFunction:
         return "\n".join(lines)
 
 
-# A template: (rng, noun) -> TinyFunction. The helper draws a name from patterns.
-Template = Callable[[random.Random, str], TinyFunction]
-TEMPLATES: dict[str, Template] = {}
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """A kind of function, with drawn names and constants.
 
+    Attributes:
+      names: name patterns (``{noun}`` is filled with a drawn noun).
+      params: parameter names.
+      doc: the docstring, formatted with the drawn constants.
+      body: body lines, formatted with the drawn constants.
+      constants: draws the constants (a dict) from the RNG.
+      cases: draws the test inputs (argument tuples) from the RNG and the constants.
+    """
 
-def _template(name: str):
-    def wrap(fn: Template) -> Template:
-        TEMPLATES[name] = fn
-        return fn
+    names: tuple[str, ...]
+    params: tuple[str, ...]
+    doc: str
+    body: tuple[str, ...]
+    constants: Callable[[random.Random], dict[str, Any]]
+    cases: Callable[[random.Random, dict[str, Any]], tuple[tuple, ...]]
 
-    return wrap
-
-
-def _name(rng: random.Random, noun: str, *patterns: str) -> str:
-    return rng.choice(patterns).format(noun=noun)
+    def draw(self, rng: random.Random, noun: str) -> TinyFunction:
+        consts = self.constants(rng)
+        return TinyFunction(
+            rng.choice(self.names).format(noun=noun),
+            self.params,
+            self.doc.format(**consts),
+            tuple(line.format(**consts) for line in self.body),
+            self.cases(rng, consts),
+        )
 
 
 def _ints(rng: random.Random, n: int, lo: int = -9, hi: int = 20) -> list[int]:
     return [rng.randint(lo, hi) for _ in range(n)]
-
-
-def _int_cases(rng, n=4, lo=-9, hi=20):
-    return tuple((x,) for x in _ints(rng, n, lo, hi))
 
 
 def _word(rng: random.Random) -> str:
@@ -111,386 +122,201 @@ def _word(rng: random.Random) -> str:
 
 
 def _text(rng: random.Random) -> str:
-    words = [rng.choice(_WORDS) for _ in range(rng.randint(1, 3))]
-    return " ".join(words)
+    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 3)))
 
 
-def _list_cases(rng, n=4, min_len=0):
+def _one_int(rng, consts) -> tuple[tuple, ...]:
+    return tuple((x,) for x in _ints(rng, 4))
+
+
+def _two_ints(rng, consts) -> tuple[tuple, ...]:
+    return tuple((rng.randint(-5, 9), rng.randint(-5, 9)) for _ in range(4))
+
+
+def _lists(rng, consts, n=4, min_len=0) -> tuple[tuple, ...]:
     return tuple((_ints(rng, rng.randint(min_len, 5), -5, 12),) for _ in range(n))
 
 
-# ---- numbers ----
+def _texts(rng, consts, *extra: str) -> tuple[tuple, ...]:
+    return (*[(_text(rng),) for _ in range(4 - len(extra))], *[(e,) for e in extra])
 
 
-@_template("affine")
-def _affine(rng, noun):
-    a, b = rng.randint(2, 9), rng.randint(1, 20)
-    return TinyFunction(
-        _name(rng, noun, "scale_{noun}", "adjust_{noun}", "{noun}_value"),
-        ("x",),
-        f"Return x multiplied by {a}, plus {b}.",
-        (f"return x * {a} + {b}",),
-        _int_cases(rng),
-    )
-
-
-@_template("clamp")
-def _clamp(rng, noun):
+def _bounds(rng: random.Random) -> dict[str, int]:
     lo = rng.randint(0, 5)
-    hi = lo + rng.randint(3, 10)
-    return TinyFunction(
-        _name(rng, noun, "clamp_{noun}", "limit_{noun}", "bounded_{noun}"),
-        ("x",),
-        f"Return x limited to the range {lo} to {hi} (inclusive).",
-        (f"return max({lo}, min(x, {hi}))",),
-        ((lo - 3,), (hi + 4,), (lo + 1,), (rng.randint(lo, hi),)),
-    )
+    return {"lo": lo, "hi": lo + rng.randint(3, 10)}
 
 
-@_template("divisible")
-def _divisible(rng, noun):
-    k = rng.randint(2, 7)
-    cases = ((k * rng.randint(1, 4),), (k * rng.randint(1, 4) + 1,), (0,), (rng.randint(1, 30),))
-    return TinyFunction(
-        _name(rng, noun, "{noun}_fits", "is_{noun}_multiple", "{noun}_divides"),
-        ("x",),
-        f"Return True if x is divisible by {k}, else False.",
-        (f"return x % {k} == 0",),
-        cases,
-    )
-
-
-@_template("distance")
-def _distance(rng, noun):
-    k = rng.randint(1, 15)
-    return TinyFunction(
-        _name(rng, noun, "{noun}_gap", "distance_to_{noun}", "{noun}_offset"),
-        ("x",),
-        f"Return the distance between x and {k} (always zero or positive).",
-        (f"return abs(x - {k})",),
-        ((k - 4,), (k + 3,), (k,), (rng.randint(-5, 25),)),
-    )
-
-
-@_template("threshold")
-def _threshold(rng, noun):
-    t = rng.randint(1, 15)
+def _labels(rng: random.Random) -> dict[str, Any]:
     hi, lo = rng.choice((("high", "low"), ("big", "small"), ("pass", "fail"), ("yes", "no")))
-    return TinyFunction(
-        _name(rng, noun, "{noun}_label", "classify_{noun}", "{noun}_kind"),
-        ("x",),
-        f'Return "{hi}" if x is at least {t}, otherwise "{lo}".',
-        (f"if x >= {t}:", f'    return "{hi}"', f'return "{lo}"'),
-        ((t,), (t - 1,), (t + rng.randint(1, 9),), (t - rng.randint(2, 9),)),
-    )
+    return {"hi": hi, "lo": lo, "t": rng.randint(1, 15)}
 
 
-@_template("sign")
-def _sign(rng, noun):
-    return TinyFunction(
-        _name(rng, noun, "{noun}_sign", "sign_of_{noun}", "{noun}_direction"),
-        ("x",),
+_none = lambda rng: {}  # a template without constants
+_T = Template
+# fmt: off
+TEMPLATES: dict[str, Template] = {
+    # ---- one number ----
+    "affine": _T(
+        ("scale_{noun}", "adjust_{noun}", "{noun}_value"), ("x",),
+        "Return x multiplied by {a}, plus {b}.", ("return x * {a} + {b}",),
+        lambda r: {"a": r.randint(2, 9), "b": r.randint(1, 20)}, _one_int),
+    "clamp": _T(
+        ("clamp_{noun}", "limit_{noun}", "bounded_{noun}"), ("x",),
+        "Return x limited to the range {lo} to {hi} (inclusive).",
+        ("return max({lo}, min(x, {hi}))",),
+        _bounds,
+        lambda r, c: ((c["lo"] - 3,), (c["hi"] + 4,), (c["lo"] + 1,),
+                      (r.randint(c["lo"], c["hi"]),))),
+    "divisible": _T(
+        ("{noun}_fits", "is_{noun}_multiple", "{noun}_divides"), ("x",),
+        "Return True if x is divisible by {k}, else False.", ("return x % {k} == 0",),
+        lambda r: {"k": r.randint(2, 7)},
+        lambda r, c: ((c["k"] * r.randint(1, 4),), (c["k"] * r.randint(1, 4) + 1,), (0,),
+                      (r.randint(1, 30),))),
+    "distance": _T(
+        ("{noun}_gap", "distance_to_{noun}", "{noun}_offset"), ("x",),
+        "Return the distance between x and {k} (always zero or positive).",
+        ("return abs(x - {k})",),
+        lambda r: {"k": r.randint(1, 15)},
+        lambda r, c: ((c["k"] - 4,), (c["k"] + 3,), (c["k"],), (r.randint(-5, 25),))),
+    "threshold": _T(
+        ("{noun}_label", "classify_{noun}", "{noun}_kind"), ("x",),
+        'Return "{hi}" if x is at least {t}, otherwise "{lo}".',
+        ("if x >= {t}:", '    return "{hi}"', 'return "{lo}"'),
+        _labels,
+        lambda r, c: ((c["t"],), (c["t"] - 1,), (c["t"] + r.randint(1, 9),),
+                      (c["t"] - r.randint(2, 9),))),
+    "sign": _T(
+        ("{noun}_sign", "sign_of_{noun}", "{noun}_direction"), ("x",),
         "Return 1 if x is positive, -1 if x is negative, and 0 if x is zero.",
-        ("if x > 0:", "    return 1", "if x < 0:", "    return -1", "return 0"),
-        ((rng.randint(1, 9),), (-rng.randint(1, 9),), (0,), (rng.randint(-9, 9),)),
-    )
-
-
-@_template("halve")
-def _halve(rng, noun):
-    k = rng.randint(1, 9)
-    return TinyFunction(
-        _name(rng, noun, "half_{noun}", "{noun}_midpoint", "split_{noun}"),
-        ("x",),
-        f"Return x plus {k}, divided by 2 and rounded down.",
-        (f"return (x + {k}) // 2",),
-        _int_cases(rng),
-    )
-
-
-# ---- two numbers ----
-
-
-@_template("product_minus")
-def _product_minus(rng, noun):
-    k = rng.randint(1, 9)
-    return TinyFunction(
-        _name(rng, noun, "{noun}_area", "combine_{noun}", "{noun}_product"),
-        ("a", "b"),
-        f"Return a times b, minus {k}.",
-        (f"return a * b - {k}",),
-        tuple((rng.randint(-5, 9), rng.randint(-5, 9)) for _ in range(4)),
-    )
-
-
-@_template("larger")
-def _larger(rng, noun):
-    return TinyFunction(
-        _name(rng, noun, "larger_{noun}", "best_{noun}", "max_{noun}"),
-        ("a", "b"),
-        "Return the larger of a and b.",
-        ("if a > b:", "    return a", "return b"),
-        ((3, 8), (9, 2), (-4, -7), (rng.randint(-9, 9), rng.randint(-9, 9))),
-    )
-
-
-@_template("difference")
-def _difference(rng, noun):
-    return TinyFunction(
-        _name(rng, noun, "{noun}_change", "{noun}_delta", "subtract_{noun}"),
-        ("a", "b"),
-        "Return a minus b.",
-        ("return a - b",),
-        tuple((rng.randint(-9, 20), rng.randint(-9, 20)) for _ in range(4)),
-    )
-
-
-@_template("safe_divide")
-def _safe_divide(rng, noun):
-    d = rng.randint(-1, 1)
-    return TinyFunction(
-        _name(rng, noun, "{noun}_ratio", "share_{noun}", "{noun}_per_unit"),
-        ("a", "b"),
-        f"Return a divided by b, rounded down; return {d} when b is 0.",
-        ("if b == 0:", f"    return {d}", "return a // b"),
-        ((rng.randint(5, 30), rng.randint(2, 6)), (rng.randint(1, 9), 0), (7, 2), (-9, 4)),
-    )
-
-
-# ---- strings ----
-
-
-@_template("shout")
-def _shout(rng, noun):
-    suffix = rng.choice(("!", "?", "!!", "."))
-    return TinyFunction(
-        _name(rng, noun, "shout_{noun}", "loud_{noun}", "{noun}_alert"),
-        ("s",),
-        f'Return s in upper case followed by "{suffix}".',
-        (f'return s.upper() + "{suffix}"',),
-        (*[(_text(rng),) for _ in range(3)], ("",)),
-    )
-
-
-@_template("reverse_text")
-def _reverse_text(rng, noun):
-    return TinyFunction(
-        _name(rng, noun, "reverse_{noun}", "{noun}_backwards", "flip_{noun}"),
-        ("s",),
-        "Return s with its characters in reverse order.",
-        ("return s[::-1]",),
-        (*[(_text(rng),) for _ in range(3)], ("ab",)),
-    )
-
-
-@_template("tidy")
-def _tidy(rng, noun):
-    return TinyFunction(
-        _name(rng, noun, "tidy_{noun}", "clean_{noun}", "normalize_{noun}"),
-        ("s",),
+        ("if x > 0:", "    return 1", "if x < 0:", "    return -1", "return 0"), _none,
+        lambda r, c: ((r.randint(1, 9),), (-r.randint(1, 9),), (0,), (r.randint(-9, 9),))),
+    "halve": _T(
+        ("half_{noun}", "{noun}_midpoint", "split_{noun}"), ("x",),
+        "Return x plus {k}, divided by 2 and rounded down.", ("return (x + {k}) // 2",),
+        lambda r: {"k": r.randint(1, 9)}, _one_int),
+    # ---- two numbers ----
+    "product_minus": _T(
+        ("{noun}_area", "combine_{noun}", "{noun}_product"), ("a", "b"),
+        "Return a times b, minus {k}.", ("return a * b - {k}",),
+        lambda r: {"k": r.randint(1, 9)}, _two_ints),
+    "larger": _T(
+        ("larger_{noun}", "best_{noun}", "max_{noun}"), ("a", "b"),
+        "Return the larger of a and b.", ("if a > b:", "    return a", "return b"), _none,
+        lambda r, c: ((3, 8), (9, 2), (-4, -7), (r.randint(-9, 9), r.randint(-9, 9)))),
+    "difference": _T(
+        ("{noun}_change", "{noun}_delta", "subtract_{noun}"), ("a", "b"),
+        "Return a minus b.", ("return a - b",), _none, _two_ints),
+    "safe_divide": _T(
+        ("{noun}_ratio", "share_{noun}", "{noun}_per_unit"), ("a", "b"),
+        "Return a divided by b, rounded down; return {d} when b is 0.",
+        ("if b == 0:", "    return {d}", "return a // b"),
+        lambda r: {"d": r.randint(-1, 1)},
+        lambda r, c: ((r.randint(5, 30), r.randint(2, 6)), (r.randint(1, 9), 0), (7, 2), (-9, 4))),
+    # ---- strings ----
+    "shout": _T(
+        ("shout_{noun}", "loud_{noun}", "{noun}_alert"), ("s",),
+        'Return s in upper case followed by "{suffix}".', ('return s.upper() + "{suffix}"',),
+        lambda r: {"suffix": r.choice(("!", "?", "!!", "."))},
+        lambda r, c: _texts(r, c, "")),
+    "reverse_text": _T(
+        ("reverse_{noun}", "{noun}_backwards", "flip_{noun}"), ("s",),
+        "Return s with its characters in reverse order.", ("return s[::-1]",), _none,
+        lambda r, c: _texts(r, c, "ab")),
+    "tidy": _T(
+        ("tidy_{noun}", "clean_{noun}", "normalize_{noun}"), ("s",),
         "Return s without leading or trailing spaces, in lower case.",
-        ("return s.strip().lower()",),
-        (("  Red Cat ",), ("SUN",), (" " + _text(rng).upper(),), ("ok  ",)),
-    )
-
-
-@_template("prefix")
-def _prefix(rng, noun):
-    p = rng.choice(("id-", "x_", "#", "v", "tag:"))
-    return TinyFunction(
-        _name(rng, noun, "tag_{noun}", "{noun}_key", "mark_{noun}"),
-        ("s",),
-        f'Return s with "{p}" in front of it.',
-        (f'return "{p}" + s',),
-        (*[(_word(rng),) for _ in range(3)], ("",)),
-    )
-
-
-@_template("count_char")
-def _count_char(rng, noun):
-    ch = rng.choice("aeiot")
-    return TinyFunction(
-        _name(rng, noun, "count_{noun}_marks", "{noun}_hits", "tally_{noun}"),
-        ("s",),
-        f'Return how many times the letter "{ch}" occurs in s.',
-        (f'return s.count("{ch}")',),
-        ((f"{ch}b{ch}",), (_text(rng),), ("",), (ch * rng.randint(1, 4),)),
-    )
-
-
-@_template("word_count")
-def _word_count(rng, noun):
-    return TinyFunction(
-        _name(rng, noun, "{noun}_words", "count_{noun}_words", "{noun}_length"),
-        ("s",),
+        ("return s.strip().lower()",), _none,
+        lambda r, c: (("  Red Cat ",), ("SUN",), (" " + _text(r).upper(),), ("ok  ",))),
+    "prefix": _T(
+        ("tag_{noun}", "{noun}_key", "mark_{noun}"), ("s",),
+        'Return s with "{p}" in front of it.', ('return "{p}" + s',),
+        lambda r: {"p": r.choice(("id-", "x_", "#", "v", "tag:"))},
+        lambda r, c: ((_word(r),), (_word(r),), (_word(r),), ("",))),
+    "count_char": _T(
+        ("count_{noun}_marks", "{noun}_hits", "tally_{noun}"), ("s",),
+        'Return how many times the letter "{ch}" occurs in s.', ('return s.count("{ch}")',),
+        lambda r: {"ch": r.choice("aeiot")},
+        lambda r, c: ((f"{c['ch']}b{c['ch']}",), (_text(r),), ("",), (c["ch"] * r.randint(1, 4),))),
+    "word_count": _T(
+        ("{noun}_words", "count_{noun}_words", "{noun}_length"), ("s",),
         "Return the number of words in s (words are separated by whitespace).",
-        ("return len(s.split())",),
-        ((_text(rng),), ("",), ("  one  two ",), (_text(rng) + " " + _text(rng),)),
-    )
-
-
-@_template("head")
-def _head(rng, noun):
-    n = rng.randint(1, 4)
-    return TinyFunction(
-        _name(rng, noun, "short_{noun}", "{noun}_head", "abbreviate_{noun}"),
-        ("s",),
-        f"Return the first {n} characters of s (all of s if it is shorter).",
-        (f"return s[:{n}]",),
-        ((_text(rng),), ("ab",), ("",), ("abcdefgh",)),
-    )
-
-
-@_template("starts_with")
-def _starts_with(rng, noun):
-    p = _word(rng)[:2]
-    return TinyFunction(
-        _name(rng, noun, "is_{noun}_code", "{noun}_matches", "has_{noun}_prefix"),
-        ("s",),
-        f'Return True if s starts with "{p}", else False.',
-        (f'return s.startswith("{p}")',),
-        ((p + "zz",), ("zz" + p,), ("",), (_word(rng),)),
-    )
-
-
-@_template("join_words")
-def _join_words(rng, noun):
-    sep = rng.choice(("-", "_", "+", "/"))
-    return TinyFunction(
-        _name(rng, noun, "{noun}_slug", "join_{noun}", "{noun}_path"),
-        ("s",),
-        f'Return the words of s joined by "{sep}".',
-        (f'return "{sep}".join(s.split())',),
-        ((_text(rng),), ("one",), ("  a  b c ",), (_text(rng) + " " + _word(rng),)),
-    )
-
-
-@_template("vowels")
-def _vowels(rng, noun):
-    return TinyFunction(
-        _name(rng, noun, "{noun}_vowels", "count_{noun}_vowels", "vowels_in_{noun}"),
-        ("s",),
+        ("return len(s.split())",), _none,
+        lambda r, c: ((_text(r),), ("",), ("  one  two ",), (_text(r) + " " + _text(r),))),
+    "head": _T(
+        ("short_{noun}", "{noun}_head", "abbreviate_{noun}"), ("s",),
+        "Return the first {n} characters of s (all of s if it is shorter).", ("return s[:{n}]",),
+        lambda r: {"n": r.randint(1, 4)},
+        lambda r, c: ((_text(r),), ("ab",), ("",), ("abcdefgh",))),
+    "starts_with": _T(
+        ("is_{noun}_code", "{noun}_matches", "has_{noun}_prefix"), ("s",),
+        'Return True if s starts with "{p}", else False.', ('return s.startswith("{p}")',),
+        lambda r: {"p": _word(r)[:2]},
+        lambda r, c: ((c["p"] + "zz",), ("zz" + c["p"],), ("",), (_word(r),))),
+    "join_words": _T(
+        ("{noun}_slug", "join_{noun}", "{noun}_path"), ("s",),
+        'Return the words of s joined by "{sep}".', ('return "{sep}".join(s.split())',),
+        lambda r: {"sep": r.choice(("-", "_", "+", "/"))},
+        lambda r, c: ((_text(r),), ("one",), ("  a  b c ",), (_text(r) + " " + _word(r),))),
+    "vowels": _T(
+        ("{noun}_vowels", "count_{noun}_vowels", "vowels_in_{noun}"), ("s",),
         'Return how many characters of s are lower-case vowels ("aeiou").',
-        (
-            "total = 0",
-            "for ch in s:",
-            '    if ch in "aeiou":',
-            "        total += 1",
-            "return total",
-        ),
-        ((_text(rng),), ("",), ("AEIOU ae",), (_text(rng),)),
-    )
-
-
-# ---- lists ----
-
-
-@_template("scale_all")
-def _scale_all(rng, noun):
-    k = rng.randint(2, 5)
-    return TinyFunction(
-        _name(rng, noun, "scale_{noun}s", "{noun}s_times", "boost_{noun}s"),
-        ("xs",),
-        f"Return a new list with every number of xs multiplied by {k}.",
-        (f"return [x * {k} for x in xs]",),
-        _list_cases(rng),
-    )
-
-
-@_template("above")
-def _above(rng, noun):
-    t = rng.randint(0, 6)
-    return TinyFunction(
-        _name(rng, noun, "big_{noun}s", "{noun}s_above", "keep_{noun}s"),
-        ("xs",),
-        f"Return the numbers of xs that are greater than {t}, in order.",
-        (f"return [x for x in xs if x > {t}]",),
-        _list_cases(rng),
-    )
-
-
-@_template("first_or")
-def _first_or(rng, noun):
-    d = rng.randint(-1, 9)
-    return TinyFunction(
-        _name(rng, noun, "first_{noun}", "{noun}_head", "lead_{noun}"),
-        ("xs",),
-        f"Return the first number of xs, or {d} if xs is empty.",
-        ("if not xs:", f"    return {d}", "return xs[0]"),
-        ((_ints(rng, 3),), ([],), (_ints(rng, 1),), (_ints(rng, 4),)),
-    )
-
-
-@_template("spread")
-def _spread(rng, noun):
-    return TinyFunction(
-        _name(rng, noun, "{noun}_spread", "{noun}_range", "{noun}_span"),
-        ("xs",),
+        ("total = 0", "for ch in s:", '    if ch in "aeiou":', "        total += 1",
+         "return total"),
+        _none, lambda r, c: ((_text(r),), ("",), ("AEIOU ae",), (_text(r),))),
+    # ---- lists ----
+    "scale_all": _T(
+        ("scale_{noun}s", "{noun}s_times", "boost_{noun}s"), ("xs",),
+        "Return a new list with every number of xs multiplied by {k}.",
+        ("return [x * {k} for x in xs]",), lambda r: {"k": r.randint(2, 5)}, _lists),
+    "above": _T(
+        ("big_{noun}s", "{noun}s_above", "keep_{noun}s"), ("xs",),
+        "Return the numbers of xs that are greater than {t}, in order.",
+        ("return [x for x in xs if x > {t}]",), lambda r: {"t": r.randint(0, 6)}, _lists),
+    "first_or": _T(
+        ("first_{noun}", "{noun}_head", "lead_{noun}"), ("xs",),
+        "Return the first number of xs, or {d} if xs is empty.",
+        ("if not xs:", "    return {d}", "return xs[0]"), lambda r: {"d": r.randint(-1, 9)},
+        lambda r, c: ((_ints(r, 3),), ([],), (_ints(r, 1),), (_ints(r, 4),))),
+    "spread": _T(
+        ("{noun}_spread", "{noun}_range", "{noun}_span"), ("xs",),
         "Return the largest number of xs minus the smallest (xs is never empty).",
-        ("return max(xs) - min(xs)",),
-        _list_cases(rng, min_len=1),
-    )
-
-
-@_template("smallest")
-def _smallest(rng, noun):
-    n = rng.randint(1, 3)
-    return TinyFunction(
-        _name(rng, noun, "lowest_{noun}s", "{noun}_bottom", "cheapest_{noun}s"),
-        ("xs",),
-        f"Return the {n} smallest numbers of xs in increasing order (fewer if xs is shorter).",
-        (f"return sorted(xs)[:{n}]",),
-        _list_cases(rng),
-    )
-
-
-@_template("longer_than")
-def _longer_than(rng, noun):
-    n = rng.randint(1, 4)
-    return TinyFunction(
-        _name(rng, noun, "many_{noun}s", "{noun}s_full", "enough_{noun}s"),
-        ("xs",),
-        f"Return True if xs has more than {n} items, else False.",
-        (f"return len(xs) > {n}",),
-        ((list(range(n)),), (list(range(n + 1)),), ([],), (_ints(rng, rng.randint(0, 6)),)),
-    )
-
-
-@_template("sum_even")
-def _sum_even(rng, noun):
-    return TinyFunction(
-        _name(rng, noun, "even_{noun}_total", "sum_even_{noun}s", "{noun}_even_sum"),
-        ("xs",),
+        ("return max(xs) - min(xs)",), _none, lambda r, c: _lists(r, c, min_len=1)),
+    "smallest": _T(
+        ("lowest_{noun}s", "{noun}_bottom", "cheapest_{noun}s"), ("xs",),
+        "Return the {n} smallest numbers of xs in increasing order (fewer if xs is shorter).",
+        ("return sorted(xs)[:{n}]",), lambda r: {"n": r.randint(1, 3)}, _lists),
+    "longer_than": _T(
+        ("many_{noun}s", "{noun}s_full", "enough_{noun}s"), ("xs",),
+        "Return True if xs has more than {n} items, else False.", ("return len(xs) > {n}",),
+        lambda r: {"n": r.randint(1, 4)},
+        lambda r, c: ((list(range(c["n"])),), (list(range(c["n"] + 1)),), ([],),
+                      (_ints(r, r.randint(0, 6)),))),
+    "sum_even": _T(
+        ("even_{noun}_total", "sum_even_{noun}s", "{noun}_even_sum"), ("xs",),
         "Return the sum of the even numbers of xs.",
         ("total = 0", "for x in xs:", "    if x % 2 == 0:", "        total += x", "return total"),
-        _list_cases(rng),
-    )
+        _none, _lists),
+    "count_above": _T(
+        ("count_big_{noun}s", "{noun}s_over", "num_high_{noun}s"), ("xs",),
+        "Return how many numbers of xs are greater than {t}.",
+        ("count = 0", "for x in xs:", "    if x > {t}:", "        count += 1", "return count"),
+        lambda r: {"t": r.randint(0, 6)}, _lists),
+}
+# fmt: on
 
-
-@_template("count_above")
-def _count_above(rng, noun):
-    t = rng.randint(0, 6)
-    return TinyFunction(
-        _name(rng, noun, "count_big_{noun}s", "{noun}s_over", "num_high_{noun}s"),
-        ("xs",),
-        f"Return how many numbers of xs are greater than {t}.",
-        ("count = 0", "for x in xs:", f"    if x > {t}:", "        count += 1", "return count"),
-        _list_cases(rng),
-    )
-
-
-# Templates whose functions take one int: the composite template applies one of them.
+# Templates whose functions take one int: the composite function applies one of them.
 _UNARY_INT = ("affine", "clamp", "distance", "halve", "sign", "threshold")
 
 
 def _composite(rng: random.Random, noun: str, inner: TinyFunction) -> TinyFunction:
-    name = _name(rng, noun, "{noun}_all", "apply_{noun}", "map_{noun}s")
+    """A function over a list that calls another function of the module (call sites)."""
     return TinyFunction(
-        name,
+        rng.choice(("{noun}_all", "apply_{noun}", "map_{noun}s")).format(noun=noun),
         ("xs",),
         f"Return a list with {inner.name}(x) for every number x of xs.",
         (f"return [{inner.name}(x) for x in xs]",),
-        (*_list_cases(rng, n=2, min_len=1), ([],)),
+        (*_lists(rng, {}, n=2, min_len=1), ([],)),
         calls=inner.name,
     )
 
@@ -504,7 +330,7 @@ def tiny_functions(seed: int) -> tuple[str, list[TinyFunction]]:
     nouns = rng.sample(_NOUNS, count + 1)
     functions, unary = [], []
     for template, noun in zip(names, nouns):
-        fn = TEMPLATES[template](rng, noun)
+        fn = TEMPLATES[template].draw(rng, noun)
         if any(fn.name == other.name for other in functions):
             continue
         functions.append(fn)

@@ -157,6 +157,34 @@ def names(category: str | None = None) -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
+class TargetFile:
+    """A parsed code file a generator may change.
+
+    Attributes:
+      path: relative path.
+      dotted: its module name.
+      text: its source.
+      module: its AST.
+      lines: its lines (``lines_of``).
+    """
+
+    path: str
+    dotted: str
+    text: str
+    module: ast.Module
+    lines: list[str]
+
+
+def target_files(repo: SourceRepo) -> Iterator[TargetFile]:
+    """The repository's target files that parse, in path order."""
+    for path, dotted in sorted(repo.target_files.items()):
+        text = repo.tree[path]
+        module = parse(text, path)
+        if module is not None:
+            yield TargetFile(path, dotted, text, module, lines_of(text))
+
+
+@dataclasses.dataclass(frozen=True)
 class FunctionSite:
     """A module-level function or a method of a module-level class.
 

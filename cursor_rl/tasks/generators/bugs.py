@@ -78,12 +78,9 @@ def _bug_candidates(
     """Applies ``mutations`` at every function of every target file."""
     candidates = []
     visible = repo.visible_files()
-    for path, dotted in sorted(repo.target_files.items()):
-        text = repo.tree[path]
-        module = base.parse(text, path)
-        if module is None:
-            continue
-        label = path if repo.prompt_style == "short" else dotted
+    for target in base.target_files(repo):
+        path, text, module = target.path, target.text, target.module
+        label = path if repo.prompt_style == "short" else target.dotted
         original = ast.dump(module)
         for site in base.function_sites(module):
             call_sites = None

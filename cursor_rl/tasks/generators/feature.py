@@ -65,13 +65,9 @@ def remove_function_body(repo: base.SourceRepo) -> list[base.Candidate]:
     """Replaces one function or method body at a time by ``raise NotImplementedError``."""
     candidates = []
     visible = repo.visible_files()
-    for path in sorted(repo.target_files):
-        text = repo.tree[path]
-        module = base.parse(text, path)
-        if module is None:
-            continue
-        lines = base.lines_of(text)
-        for site in base.function_sites(module):
+    for target in base.target_files(repo):
+        path, text, lines = target.path, target.text, target.lines
+        for site in base.function_sites(target.module):
             if not site.body or _is_stub(site.body):
                 continue
             if site.body[0].lineno == site.node.lineno:  # one-line def: nothing to cut cleanly
@@ -150,13 +146,9 @@ def remove_class(repo: base.SourceRepo) -> list[base.Candidate]:
     """Deletes one module-level class at a time."""
     candidates = []
     visible = repo.visible_files()
-    for path in sorted(repo.target_files):
-        text = repo.tree[path]
-        module = base.parse(text, path)
-        if module is None:
-            continue
-        lines = base.lines_of(text)
-        for node in module.body:
+    for target in base.target_files(repo):
+        path, text, lines = target.path, target.text, target.lines
+        for node in target.module.body:
             if not isinstance(node, ast.ClassDef):
                 continue
             first, last = base.line_span(node)
@@ -205,10 +197,9 @@ def remove_module(repo: base.SourceRepo) -> list[base.Candidate]:
         return []
     candidates = []
     visible = repo.visible_files()
-    for path, dotted in sorted(repo.target_files.items()):
-        text = repo.tree[path]
-        module = base.parse(text, path)
-        if module is None or not 1 <= _nonblank(base.lines_of(text)) <= MAX_MODULE_LINES:
+    for target in base.target_files(repo):
+        path, dotted, text, module = target.path, target.dotted, target.text, target.module
+        if not 1 <= _nonblank(target.lines) <= MAX_MODULE_LINES:
             continue
         members = _members(text, module)
         if not members:
@@ -241,7 +232,7 @@ def remove_module(repo: base.SourceRepo) -> list[base.Candidate]:
                 start_changes={path: None},
                 prompt=functools.partial(_feature_prompt, prompt),
                 features={
-                    "lines_removed": _nonblank(base.lines_of(text)),
+                    "lines_removed": _nonblank(target.lines),
                     "call_sites": len(importers),
                     "has_docstring": int(ast.get_docstring(module) is not None),
                 },

@@ -282,11 +282,9 @@ def rename_symbol(repo: base.SourceRepo) -> list[base.Candidate]:
     visible = repo.visible_files()
     taken = set().union(*(base.name_tokens(t) for p, t in repo.tree.items() if p.endswith(".py")))
     check_path = _check_file_path(repo)
-    for path, dotted in sorted(repo.target_files.items()):
-        module = base.parse(repo.tree[path], path)
-        if module is None:
-            continue
-        for node in module.body:
+    for target in base.target_files(repo):
+        path, dotted = target.path, target.dotted
+        for node in target.module.body:
             if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 continue
             if not _renamable(repo, path, node, visible):
@@ -438,13 +436,9 @@ def extract_function(repo: base.SourceRepo) -> list[base.Candidate]:
     candidates = []
     taken = set().union(*(base.name_tokens(t) for p, t in repo.tree.items() if p.endswith(".py")))
     check_path = _check_file_path(repo)
-    for path in sorted(repo.target_files):
-        text = repo.tree[path]
-        module = base.parse(text, path)
-        if module is None:
-            continue
-        lines = base.lines_of(text)
-        for site in base.function_sites(module):
+    for target in base.target_files(repo):
+        path, text, lines = target.path, target.text, target.lines
+        for site in base.function_sites(target.module):
             if isinstance(site.node, ast.AsyncFunctionDef) or len(site.body) < 3:
                 continue
             candidate = _extract_candidate(repo, path, text, lines, site, taken, check_path)
