@@ -79,3 +79,15 @@ def test_command_line_report_and_exit_code(tmp_path):
     assert json.loads(report.read_text())["tasks"] == 1
     records.write_tasks([task_with_solution("t", SOLUTION)], str(train_dir / "tasks.jsonl"))
     assert contamination.main(argv) == 1
+
+
+def test_reference_index_checks_one_task_at_a_time():
+    index = contamination.ReferenceIndex(
+        ["def f(x):\n" + SOLUTION, "def g(x):\n    return x + 7\n"]
+    )
+    assert index.overlap(task_with_solution("a", SOLUTION)) == 1.0
+    assert index.overlap(task_with_solution("b", "return x + 7")) == 1.0
+    assert index.overlap(task_with_solution("c", "return x + 8")) == 0.0
+    assert (
+        index.overlap(task_with_solution("d", "total = sum(v for v in values if v > limit)")) == 0.0
+    )

@@ -4,11 +4,12 @@ import ast
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from cursor_rl.env import grader, sandbox
-from cursor_rl.tasks import build, grading, records, splits, tiny
+from cursor_rl.tasks import build, contamination, grading, records, splits, tiny
 
 needs_sandbox = pytest.mark.skipif(
     sandbox.unavailable_reason() is not None, reason=f"{sandbox.unavailable_reason()}"
@@ -75,3 +76,16 @@ def test_tiny_build_produces_gradable_short_tasks(tmp_path):
     shutil.copytree(spec.pristine_repo, workspace)
     grading.apply_patch_files(task, workspace)
     assert grader.grade(spec, workspace).resolved
+    # Decontamination: against these tasks as the training set, the same module's
+    # solutions are rejected during the build, before they count.
+    reference = contamination.ReferenceIndex(
+        text for t in tasks for _, text in contamination.task_documents(t)
+    )
+    config = build.BuildConfig(
+        source="tiny", out=str(tmp_path / "again"), generators=("remove_function_body",),
+        max_per_generator=1, max_attempts=1,
+    )  # fmt: skip
+    again = build.build_repo(
+        tiny.tiny_repo(0), config, seen=set(), lock=threading.Lock(), reference=reference
+    )
+    assert again.tasks == [] and [r["reason"] for r in again.rejections] == ["contaminated"]

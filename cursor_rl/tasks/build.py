@@ -3,6 +3,8 @@
     python -m cursor_rl.tasks.build --source=stdlib --split=train --out=/data/tasks/train
     python -m cursor_rl.tasks.build --source=stdlib --split=bench --out=/data/tasks/bench
     python -m cursor_rl.tasks.build --source=tiny --split=train --count=2000 --out=/data/tiny/train
+    python -m cursor_rl.tasks.build --source=tiny --split=bench --count=200 --out=/data/tiny/bench \
+        --decontaminate_against=/data/tiny/train
     python -m cursor_rl.tasks.build --source=/src/myrepo --split=train --out=/data/myrepo
     python -m cursor_rl.tasks.build --source=sdist:attrs==23.2.0 --out=/data/attrs
 
@@ -188,6 +190,7 @@ def build_repo(
     seen: set[str],
     lock: threading.Lock,
     budget: Callable[[], bool] = lambda: True,
+    reference: Any = None,
 ) -> RepoResult:
     """Generates and validates one repository's tasks.
 
@@ -197,6 +200,8 @@ def build_repo(
       seen: starting-state hashes already accepted (shared; guarded by ``lock``).
       lock: guards ``seen``.
       budget: returns False once the build has enough tasks.
+      reference: a ``contamination.ReferenceIndex`` of the training tasks; a task whose
+        solution overlaps it above ``config.decontaminate_threshold`` is rejected.
 
     Returns:
       The repository's records and rejections.
@@ -252,17 +257,29 @@ def build_repo(
                     }
                 )
                 continue
-            result.tasks.append(
-                make_record(
-                    repo,
-                    outcome,
-                    split=config.split,
-                    out=config.out,
-                    snapshot=config.snapshot,
-                    environment=validator.environment,
-                    runs=config.runs,
-                )
+            record = make_record(
+                repo,
+                outcome,
+                split=config.split,
+                out=config.out,
+                snapshot=config.snapshot,
+                environment=validator.environment,
+                runs=config.runs,
             )
+            if reference is not None:
+                overlap = reference.overlap(record)
+                if overlap > config.decontaminate_threshold:
+                    result.rejections.append(
+                        {
+                            "repo": repo.name,
+                            "generator": name,
+                            "candidate": cand.description,
+                            "reason": "contaminated",
+                            "detail": f"solution overlap {overlap:.2f} with the training tasks",
+                        }
+                    )
+                    continue
+            result.tasks.append(record)
             accepted[name] += 1
     result.seconds = time.monotonic() - began
     return result
@@ -317,8 +334,18 @@ def build(config: BuildConfig, *, log: Callable[[str], None] = print) -> dict[st
     def budget() -> bool:
         return not config.count or accepted[0] < config.count
 
+    reference = None
+    if config.decontaminate_against:
+        from cursor_rl.tasks import contamination
+
+        train = records.load_tasks(config.decontaminate_against)
+        reference = contamination.ReferenceIndex(
+            text for task in train for _, text in contamination.task_documents(task)
+        )
+        log(f"decontaminating against {len(train)} tasks of {config.decontaminate_against}")
+
     def run(repo: SourceRepo) -> RepoResult:
-        result = build_repo(repo, config, seen=seen, lock=lock, budget=budget)
+        result = build_repo(repo, config, seen=seen, lock=lock, budget=budget, reference=reference)
         with lock:
             accepted[0] += len(result.tasks)
         log(
@@ -347,8 +374,6 @@ def build(config: BuildConfig, *, log: Callable[[str], None] = print) -> dict[st
     results.sort(key=lambda r: r.repo.name)
     for failure in source_failures:
         log(f"{failure['repo']}: {failure['reason']} ({failure['detail']})")
-    if config.decontaminate_against:
-        _decontaminate(config, results)
     tasks = [t for r in results for t in r.tasks]
     if config.count:
         tasks = tasks[: config.count]
@@ -365,28 +390,6 @@ def build(config: BuildConfig, *, log: Callable[[str], None] = print) -> dict[st
     with open(os.path.join(config.out, STATS_FILE), "w", encoding="utf-8") as f:
         json.dump(stats, f, indent=2, sort_keys=True)
     return stats
-
-
-def _decontaminate(config: BuildConfig, results: Sequence[RepoResult]) -> None:
-    """Drops tasks whose solution overlaps the training dataset (see ``BuildConfig``)."""
-    from cursor_rl.tasks import contamination
-
-    train = records.load_tasks(config.decontaminate_against)
-    tasks = [t for r in results for t in r.tasks]
-    report = contamination.check(tasks, train=train, threshold=config.decontaminate_threshold)
-    flagged = set(report["flagged"])
-    for r in results:
-        for task in [t for t in r.tasks if t.task_id in flagged]:
-            r.tasks.remove(task)
-            r.rejections.append(
-                {
-                    "repo": r.repo.name,
-                    "generator": task.generator,
-                    "candidate": task.task_id,
-                    "reason": "contaminated",
-                    "detail": f"solution overlaps {config.decontaminate_against}",
-                }
-            )
 
 
 def summarize(

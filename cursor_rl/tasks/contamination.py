@@ -151,6 +151,34 @@ class OverlapIndex:
         }
 
 
+class ReferenceIndex:
+    """The n-grams of a reference set held in memory, for checking tasks one at a time.
+
+    The build uses it to drop a benchmark task as soon as it is validated (so
+    ``--count`` counts clean tasks); ``OverlapIndex`` is the streaming form for corpora.
+    """
+
+    def __init__(self, documents: Iterable[str], n: int = DEFAULT_N):
+        self.n = n
+        self._grams: set[int] = set()
+        texts = []
+        for text in documents:
+            tokens = code_tokens(text)
+            self._grams.update(hash(g) for g in ngrams(tokens, n))
+            texts.append(" ".join(tokens))
+        self._joined = " " + " \n ".join(texts) + " "
+
+    def overlap(self, task: records.TaskRecord) -> float:
+        """The fraction of the task's solution n-grams found in the reference set."""
+        tokens = code_tokens(solution_text(task))
+        if not tokens:
+            return 0.0
+        if len(tokens) < self.n:
+            return float(f" {' '.join(tokens)} " in self._joined)
+        grams = ngrams(tokens, self.n)
+        return sum(hash(g) in self._grams for g in grams) / len(grams)
+
+
 def task_documents(task: records.TaskRecord) -> Iterator[tuple[str, str]]:
     """``(doc_id, text)`` of everything a training task shows or teaches."""
     for path, text in sorted(records.snapshot_tree(task.repo).items()):
