@@ -8,6 +8,8 @@
 #   git              the fresh single-commit repository the agent sees
 #   ip               iproute2: one network namespace per sandbox
 #   nsenter setpriv prlimit   util-linux: join the namespace, drop to the sandbox user, rlimits
+#   mount umount     the workspace's size-limited tmpfs
+#   /usr/bin/python3 the interpreter graded tests use by default (GradeSpec.python)
 set -euo pipefail
 
 declare -A package_of=(
@@ -18,12 +20,15 @@ declare -A package_of=(
   [nsenter]=util-linux
   [setpriv]=util-linux
   [prlimit]=util-linux
+  [mount]=mount
+  [umount]=mount
 )
 
 missing=()
 for cmd in "${!package_of[@]}"; do
   command -v "$cmd" >/dev/null 2>&1 || missing+=("${package_of[$cmd]}")
 done
+[ -x /usr/bin/python3 ] || missing+=(python3)
 [ "${#missing[@]}" -eq 0 ] && exit 0
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -33,5 +38,10 @@ fi
 mapfile -t packages < <(printf '%s\n' "${missing[@]}" | sort -u)
 echo "install_system_deps.sh: installing ${packages[*]}" >&2
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq >/dev/null
-apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${packages[@]}"; } \
+    >"$log" 2>&1; then
+  cat "$log" >&2
+  exit 1
+fi
