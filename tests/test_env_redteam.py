@@ -63,6 +63,7 @@ def play(chat, task, tmp_path, turns, framework="unittest", limits=None):
     ws = str(tmp_path / "ws")
     shutil.copytree(task.repo, ws, symlinks=True)
     history = fs.scan_tree(os.path.join(ws, ".git"))
+    hidden = fs.scan_tree(task.hidden_tests)
     observations = []
     with Sandbox(ws, limits=limits) as sb:
         episode = AgentEpisode(
@@ -74,7 +75,9 @@ def play(chat, task, tmp_path, turns, framework="unittest", limits=None):
         assert episode.submitted  # no attack ended the episode early
         assert sandbox._processes_of(sb.uid) == []
     assert fs.scan_tree(os.path.join(ws, ".git")) == history  # history restored exactly
-    return observations, grade(task.spec(framework), ws)
+    result = grade(task.spec(framework), ws)
+    assert fs.scan_tree(task.hidden_tests) == hidden  # nor did grading touch them
+    return observations, result
 
 
 @pytest.mark.parametrize("framework", ["unittest", "pytest"])
