@@ -233,3 +233,16 @@ def test_default_stdlib_pipeline(tok):
     assert fill > 0.9  # long files: packing leaves little padding
     text = small.decode(batches[0]["tokens"][0])
     assert text.strip()
+
+
+def test_split_example_truncates_by_position_and_drops_loss_free_chunks():
+    ids = np.arange(11)
+    mask = np.array([0] * 5 + [1] * 6)  # only the tail is trained
+    example = packing.example_from_ids(ids, mask)
+    chunks = packing.split_example(example, 4)
+    assert [c["tokens"].tolist() for c in chunks] == [[4, 5, 6, 7], [8, 9]]
+    assert packing.split_example(example, 4, max_chunks=1) == []  # head only: no loss
+    (first,) = packing.split_example(example, 4, max_chunks=2)
+    assert first["targets"].tolist() == [5, 6, 7, 8] and first["loss_mask"].tolist() == [1] * 4
+    assert packing.example_from_ids([3]) is None
+    assert packing.example_from_ids([1, 2, 3], [1, 0, 0]) is None

@@ -72,15 +72,11 @@ def split_example(example: Example, seq_len: int, max_chunks: int | None = None)
     Returns:
       The chunks, in order.
     """
-    length = example["tokens"].shape[0]
-    chunks = []
-    for start in range(0, length, seq_len):
-        if max_chunks is not None and len(chunks) >= max_chunks:
-            break
-        chunk = {k: v[start : start + seq_len] for k, v in example.items()}
-        if chunk["loss_mask"].any():
-            chunks.append(chunk)
-    return chunks
+    starts = range(0, example["tokens"].shape[0], seq_len)
+    if max_chunks is not None:
+        starts = starts[:max_chunks]
+    chunks = [{k: v[start : start + seq_len] for k, v in example.items()} for start in starts]
+    return [chunk for chunk in chunks if chunk["loss_mask"].any()]
 
 
 class SplitToSeqLen(grain.experimental.FlatMapTransform):

@@ -41,7 +41,6 @@ resumes exactly only with the same ``process_count``, seed and config.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -403,9 +402,12 @@ def make_sft_dataset(
     convs = grain.MapDataset.source(conversations)[process_index::process_count].filter(keep)
     convs = convs.shuffle(seed=seed % 2**32)
     _first_kept(convs, f"SFT sources {list(config.sft_sources)}, {split} split")
+    render = sft.RenderConversation(tokenizer)
+    max_chunks = config.sft_max_chunks or None
+    _check_sft_fits(convs, render, seq_len, max_chunks)
     examples = (
         convs.repeat()
-        .map(sft.RenderConversation(tokenizer))
+        .map(render)
         .to_iter_dataset(grain.ReadOptions(num_threads=config.read_threads))
     )
     return batches_from_examples(
@@ -415,8 +417,27 @@ def make_sft_dataset(
         local_batch_size=local,
         pad_id=tokenizer.pad_id,
         seed=seed,
-        max_chunks=config.sft_max_chunks or None,
+        max_chunks=max_chunks,
     )
+
+
+def _check_sft_fits(
+    convs: grain.MapDataset, render: Any, seq_len: int, max_chunks: int | None, sample: int = 64
+) -> None:
+    """Fails early when truncation would leave no assistant token to train on.
+
+    Otherwise every conversation renders to chunks without loss, all are dropped and
+    the infinite pipeline never yields a batch.
+    """
+    kept = [c for c in (convs[i] for i in range(min(len(convs), 4 * sample))) if c][:sample]
+    examples = [e for e in map(render, kept) if e is not None]
+    if not any(packing.split_example(e, seq_len, max_chunks) for e in examples):
+        first = min(int(e["loss_mask"].argmax()) + 1 for e in examples) if examples else 0
+        raise ValueError(
+            f"seq_len={seq_len} with data.sft_max_chunks={max_chunks or 0} leaves no assistant "
+            f"token to train on: the first one comes after {first} tokens. Raise seq_len or "
+            "set data.sft_max_chunks=0 (keep later chunks)."
+        )
 
 
 def make_pretrain_iterator(*args: Any, **kwargs: Any) -> grain.DatasetIterator:
@@ -480,9 +501,3 @@ def train_tokenizer(
     """
     texts = (d["text"] for d in iter_documents(config, split="train", seed=seed))
     return Tokenizer.train(texts, vocab_size, min_frequency=min_frequency, max_chars=max_chars)
-
-
-def fingerprint(config: DataConfig) -> str:
-    """A short hash of the config, stored with iterator states to catch mismatched resumes."""
-    text = repr(sorted(dataclasses.asdict(config).items()))
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()

@@ -180,45 +180,50 @@ def format_stats(stats: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-_SOURCE = flags.DEFINE_multi_string("source", ["stdlib"], "Corpus source spec (repeatable).")
-_OUT = flags.DEFINE_string("out", None, "Output directory for shards and stats.json.")
-_NUM_SHARDS = flags.DEFINE_integer("num_shards", 1, "Number of ArrayRecord shards.")
-_TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json (or its directory).")
-_VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 4096, "Vocab size when training one here.")
-_MAX_CHARS = flags.DEFINE_integer("max_chars", 8_000_000, "Tokenizer training budget.")
-_TEXT_FIELD = flags.DEFINE_string("text_field", "text", "JSON text field (JSONL/ArrayRecord).")
-_EXCLUDE = flags.DEFINE_list(
-    "exclude_modules", None, "Stdlib modules reserved for eval (default: BENCH_MODULES)."
-)
-_EVAL_FRACTION = flags.DEFINE_float("eval_fraction", 0.05, "Held-out share of documents.")
-_SEED = flags.DEFINE_integer("seed", 0, "Shuffle seed.")
+def define_flags() -> None:
+    """Defines the command-line flags (only when run as a program: no clashes on import)."""
+    flags.DEFINE_multi_string("source", ["stdlib"], "Corpus source spec (repeatable).")
+    flags.DEFINE_string("out", None, "Output directory for shards and stats.json.")
+    flags.DEFINE_integer("num_shards", 1, "Number of ArrayRecord shards.")
+    flags.DEFINE_string("tokenizer", None, "tokenizer.json (or its directory).")
+    flags.DEFINE_integer("vocab_size", 4096, "Vocab size when training one here.")
+    flags.DEFINE_integer("max_chars", 8_000_000, "Tokenizer training budget.")
+    flags.DEFINE_string("text_field", "text", "JSON text field (JSONL/ArrayRecord).")
+    flags.DEFINE_list(
+        "exclude_modules", None, "Stdlib modules reserved for eval (default: BENCH_MODULES)."
+    )
+    flags.DEFINE_float("eval_fraction", 0.05, "Held-out share of documents.")
+    flags.DEFINE_integer("seed", 0, "Shuffle seed.")
 
 
 def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = pipeline.DataConfig(
-        sources=tuple(_SOURCE.value),
-        text_field=_TEXT_FIELD.value,
-        exclude_modules=None if _EXCLUDE.value is None else tuple(_EXCLUDE.value),
-        eval_fraction=_EVAL_FRACTION.value,
+        sources=tuple(flags.FLAGS.source),
+        text_field=flags.FLAGS.text_field,
+        exclude_modules=None
+        if flags.FLAGS.exclude_modules is None
+        else tuple(flags.FLAGS.exclude_modules),
+        eval_fraction=flags.FLAGS.eval_fraction,
     )
-    if _TOKENIZER.value:
-        tokenizer = Tokenizer.load(_TOKENIZER.value)
+    if flags.FLAGS.tokenizer:
+        tokenizer = Tokenizer.load(flags.FLAGS.tokenizer)
     else:
         start = time.time()
         tokenizer = pipeline.train_tokenizer(
-            config, _VOCAB_SIZE.value, max_chars=_MAX_CHARS.value, seed=_SEED.value
+            config, flags.FLAGS.vocab_size, max_chars=flags.FLAGS.max_chars, seed=flags.FLAGS.seed
         )
-        path = tokenizer.save(os.path.join(_OUT.value, "tokenizer"))
+        path = tokenizer.save(os.path.join(flags.FLAGS.out, "tokenizer"))
         seconds = time.time() - start
         print(f"trained a {tokenizer.vocab_size}-token tokenizer in {seconds:.1f} s: {path}")
     stats = prepare_corpus(
-        config, _OUT.value, tokenizer, num_shards=_NUM_SHARDS.value, seed=_SEED.value
+        config, flags.FLAGS.out, tokenizer, num_shards=flags.FLAGS.num_shards, seed=flags.FLAGS.seed
     )
     print(format_stats(stats))
 
 
 if __name__ == "__main__":
+    define_flags()
     flags.mark_flag_as_required("out")
     app.run(main)

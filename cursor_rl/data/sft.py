@@ -168,11 +168,13 @@ class RenderConversation:
         return packing.example_from_ids(trajectory.tokens, trajectory.loss_mask)
 
 
-def write_conversations(path: str, conversations: Sequence[Sequence[protocol.Message]]) -> None:
-    """Writes conversations as JSONL (ids ``conv-00000``, ...), atomically."""
+def write_conversations(
+    path: str, conversations: Sequence[tuple[str, Sequence[protocol.Message]]]
+) -> None:
+    """Writes ``(id, messages)`` conversations as JSONL, atomically."""
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
-        for i, messages in enumerate(conversations):
-            record = {"id": f"conv-{i:05d}", "messages": [message_to_dict(m) for m in messages]}
+        for conversation_id, messages in conversations:
+            record = {"id": conversation_id, "messages": [message_to_dict(m) for m in messages]}
             fh.write(json.dumps(record, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
