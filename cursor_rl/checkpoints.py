@@ -182,6 +182,36 @@ class CheckpointManager:
         return step, restored[PARAMS], train, restored[METADATA]
 
 
+def make_metadata(
+    model_config,
+    *,
+    stage: str,
+    step: int = 0,
+    tokenizer_json: str | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The metadata every checkpoint carries (the one place its keys are named)."""
+    metadata = {
+        "stage": stage,
+        "step": int(step),
+        "model_config": model_config.to_dict(),
+        "layer_layout": "scanned" if model_config.scan_layers else "unscanned",
+        **extra,
+    }
+    if tokenizer_json is not None:
+        metadata["tokenizer"] = tokenizer_json
+    return metadata
+
+
+def model_config_from_metadata(metadata: Mapping[str, Any], where: str = "checkpoint"):
+    """The ModelConfig a checkpoint was written with."""
+    from cursor_rl.model.config import ModelConfig
+
+    if "model_config" not in metadata:
+        raise CheckpointError(f"{where}: metadata has no model_config")
+    return ModelConfig.from_dict(metadata["model_config"])
+
+
 def checkpoint_dir(workdir: str, stage: str) -> str:
     """``WORKDIR/<stage>/checkpoints`` (the workdir layout in DESIGN.md)."""
     return os.path.join(workdir, stage, "checkpoints")

@@ -11,6 +11,7 @@ import os
 import sys
 
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
@@ -36,7 +37,9 @@ def main(argv):
             num_processes=_NUM_PROCESSES.value,
             process_id=_PROCESS_ID.value,
         )
-    logging.getLogger().setLevel(logging.INFO)
+    # Our progress at INFO; libraries (Orbax logs every save and restore) at WARNING.
+    logging.getLogger("cursor_rl").setLevel(logging.INFO)
+    absl_logging.set_verbosity(absl_logging.WARNING)
     from cursor_rl.train import loop
 
     try:

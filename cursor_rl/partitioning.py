@@ -208,5 +208,17 @@ def tree_shardings(abstract_tree, mesh: Mesh, rules: LogicalRules):
     return nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 
+def strip_axis_metadata(tree):
+    """Removes the logical-axis boxes (``nn.LogicallyPartitioned``) from a pytree.
+
+    Unlike ``nn.meta.unbox`` this applies no sharding constraint, so it is safe on
+    abstract values and inside a mesh context.
+    """
+    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+    return jax.tree.map(
+        lambda x: x.unbox(apply_constraint=False) if is_box(x) else x, tree, is_leaf=is_box
+    )
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())

@@ -52,17 +52,14 @@ def hf_to_orbax(hf_dir: str, orbax_dir: str, *, drop_mtp: bool = False, **overri
     config, variables = hf.load_hf_checkpoint(hf_dir, drop_mtp=drop_mtp, **overrides)
     with open(os.path.join(hf_dir, hf.CONFIG_FILE)) as f:
         hf_config = json.load(f)
-    metadata = {
-        "model": config.to_dict(),
-        "layer_layout": "scanned" if config.scan_layers else "unscanned",
-        "stage": "hf_import",
-        "step": 0,
-        "hf_config": hf_config,
-    }
+    tokenizer_json = None
     tokenizer = os.path.join(hf_dir, TOKENIZER_FILE)
     if os.path.exists(tokenizer):
         with open(tokenizer, encoding="utf-8") as f:
-            metadata["tokenizer"] = f.read()
+            tokenizer_json = f.read()
+    metadata = checkpoints.make_metadata(
+        config, stage="hf_import", tokenizer_json=tokenizer_json, hf_config=hf_config
+    )
     return checkpoints.save_variables(orbax_dir, variables, metadata)
 
 
@@ -87,9 +84,7 @@ def orbax_to_hf(
       The model config that was exported.
     """
     metadata = checkpoints.read_metadata(orbax_path)
-    if "model" not in metadata:
-        raise checkpoints.CheckpointError(f"{orbax_path}: metadata has no model config")
-    config = ModelConfig.from_dict(metadata["model"])
+    config = checkpoints.model_config_from_metadata(metadata, orbax_path)
     # Restore onto the host: export reads every tensor there anyway.
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     target = jax.tree.map(

@@ -42,6 +42,8 @@ from cursor_rl.train.peak import peak_flops_per_device
 
 # Fields of the config's ``data`` section that the trainer consumes itself; the rest
 # goes to ``pipeline.DataConfig``.
+log = logging.getLogger(__name__)
+
 _TRAINER_DATA_FIELDS = ("process_sharding",)
 
 
@@ -145,7 +147,7 @@ def ensure_tokenizer(cfg: ml_collections.ConfigDict, workdir: str) -> Tokenizer:
         start = time.time()
         tokenizer = pipeline.train_tokenizer(data_config, cfg.tokenizer.vocab_size, seed=cfg.seed)
         tokenizer.save(directory)
-        logging.info(
+        log.info(
             "trained tokenizer (%d tokens) in %.1fs", tokenizer.vocab_size, time.time() - start
         )
     if jax.process_count() > 1:
@@ -224,50 +226,31 @@ def _abstract_state(model_config: ModelConfig, tx, mesh, rules):
 
 
 def _check_compatible(meta: dict[str, Any], model_config: ModelConfig, where: str) -> None:
-    """Parameter shapes of a checkpoint's model must equal this stage's."""
-    saved = meta.get("model_config")
-    if not saved:
-        return
-    saved_cfg = ModelConfig.from_dict({**saved, "rope_scaling": saved.get("rope_scaling")})
-    shape_fields = [
-        f.name
-        for f in dataclasses.fields(ModelConfig)
-        if f.name
-        in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "moe_intermediate_size",
-            "num_layers",
-            "num_heads",
-            "q_lora_rank",
-            "kv_lora_rank",
-            "qk_nope_head_dim",
-            "qk_rope_head_dim",
-            "v_head_dim",
-            "n_routed_experts",
-            "n_shared_experts",
-            "first_k_dense",
-            "tie_word_embeddings",
-            "scan_layers",
-        )
-    ]
-    for name in shape_fields:
-        if getattr(saved_cfg, name) != getattr(model_config, name):
+    """The checkpoint's parameters must have this stage's shapes (names the first that differs)."""
+    saved_cfg = checkpoints.model_config_from_metadata(meta, where)
+
+    def shapes(config):
+        tree = partitioning.strip_axis_metadata(model.abstract_variables(config))
+        return {
+            jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(tree)
+        }
+
+    saved, current = shapes(saved_cfg), shapes(model_config)
+    for name in sorted(set(saved) | set(current)):
+        if saved.get(name) != current.get(name):
             raise ValueError(
-                f"model.{name}={getattr(model_config, name)!r} differs from the checkpoint at "
-                f"{where} ({getattr(saved_cfg, name)!r}): parameters would not fit"
+                f"the checkpoint at {where} does not fit this model: parameter {name} is "
+                f"{saved.get(name)} there and {current.get(name)} here (check the model config)"
             )
 
 
 def checkpoint_metadata(cfg, model_config: ModelConfig, tokenizer: Tokenizer) -> dict[str, Any]:
-    return {
-        "stage": cfg.stage,
-        "model_config": model_config.to_dict(),
-        "tokenizer": tokenizer.to_json(),
-        "layer_layout": "scanned" if model_config.scan_layers else "unscanned",
-        "config": json.loads(cfg.to_json_best_effort()),
-    }
+    return checkpoints.make_metadata(
+        model_config,
+        stage=cfg.stage,
+        tokenizer_json=tokenizer.to_json(),
+        config=json.loads(cfg.to_json_best_effort()),
+    )
 
 
 def _previous_stage(stage: str) -> str | None:
@@ -321,7 +304,7 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> St
                 opt_state=train_items["opt_state"],
                 skipped=train_items["skipped"],
             )
-            logging.info("[%s] resumed from step %d", stage, step)
+            log.info("[%s] resumed from step %d", stage, step)
         else:
             source = cfg.train.init_from
             previous = _previous_stage(stage)
@@ -337,7 +320,7 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> St
             if source:
                 _check_compatible(checkpoints.read_metadata(source), model_config, source)
                 variables = checkpoints.restore_variables(source, variables_target)
-                logging.info("[%s] initialised from %s", stage, source)
+                log.info("[%s] initialised from %s", stage, source)
             else:
                 variables = model.init(model_config, jax.random.key(cfg.seed), mesh, rules)
             init_opt = jax.jit(tx.init, out_shardings=state_sh.opt_state)
