@@ -1,7 +1,8 @@
 """Builds a validated task dataset and prints its statistics.
 
     python -m cursor_rl.tasks.build --source=stdlib --split=train --out=/data/tasks/train
-    python -m cursor_rl.tasks.build --source=stdlib --split=bench --out=/data/tasks/bench
+    python -m cursor_rl.tasks.build --source=stdlib --split=bench --out=/data/tasks/bench \
+        --decontaminate_against=/data/tasks/train --decontaminate_corpus=stdlib
     python -m cursor_rl.tasks.build --source=tiny --split=train --count=2000 --out=/data/tiny/train
     python -m cursor_rl.tasks.build --source=tiny --split=bench --count=200 --out=/data/tiny/bench \
         --decontaminate_against=/data/tiny/train
@@ -69,6 +70,8 @@ class BuildConfig:
         tasks by more than ``decontaminate_threshold`` are dropped (reason
         ``contaminated``). For benchmark builds of the tiny family, whose splits
         share templates.
+      decontaminate_corpus: pretraining corpus specs (``stdlib``, ``files:...``) whose
+        documents count as training data for the same check.
       decontaminate_threshold: see above (n-gram overlap, ``cursor_rl.tasks.contamination``).
     """
 
@@ -86,6 +89,7 @@ class BuildConfig:
     runs: int = 2
     snapshot: str = "archive"
     decontaminate_against: str = ""
+    decontaminate_corpus: tuple[str, ...] = ()
     decontaminate_threshold: float = 0.5
 
 
@@ -275,7 +279,7 @@ def build_repo(
                             "generator": name,
                             "candidate": cand.description,
                             "reason": "contaminated",
-                            "detail": f"solution overlap {overlap:.2f} with the training tasks",
+                            "detail": f"solution overlap {overlap:.2f} with the training data",
                         }
                     )
                     continue
@@ -335,14 +339,17 @@ def build(config: BuildConfig, *, log: Callable[[str], None] = print) -> dict[st
         return not config.count or accepted[0] < config.count
 
     reference = None
-    if config.decontaminate_against:
+    if config.decontaminate_against or config.decontaminate_corpus:
         from cursor_rl.tasks import contamination
 
-        train = records.load_tasks(config.decontaminate_against)
-        reference = contamination.ReferenceIndex(
-            text for task in train for _, text in contamination.task_documents(task)
+        train = (
+            records.load_tasks(config.decontaminate_against) if config.decontaminate_against else []
         )
-        log(f"decontaminating against {len(train)} tasks of {config.decontaminate_against}")
+        documents = [text for task in train for _, text in contamination.task_documents(task)]
+        for spec in config.decontaminate_corpus:
+            documents += [text for _, text in contamination.corpus_documents(spec)]
+        reference = contamination.ReferenceIndex(documents)
+        log(f"decontaminating against {len(train)} training tasks and {len(documents)} documents")
 
     def run(repo: SourceRepo) -> RepoResult:
         result = build_repo(repo, config, seen=seen, lock=lock, budget=budget, reference=reference)
@@ -486,6 +493,9 @@ def main(argv: Iterable[str] | None = None) -> int:
     flags.DEFINE_string(
         "decontaminate_against", "", "Drop tasks overlapping this train dataset.", flag_values=fv
     )
+    flags.DEFINE_multi_string(
+        "decontaminate_corpus", [], "Drop tasks overlapping this corpus spec.", flag_values=fv
+    )
     flags.DEFINE_float("decontaminate_threshold", 0.5, "Overlap threshold.", flag_values=fv)
     fv(list(argv if argv is not None else sys.argv))
     if not fv.source or not fv.out:
@@ -506,6 +516,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         runs=fv.runs,
         snapshot=fv.snapshot,
         decontaminate_against=fv.decontaminate_against,
+        decontaminate_corpus=tuple(fv.decontaminate_corpus),
         decontaminate_threshold=fv.decontaminate_threshold,
     )
     stats = build(config)

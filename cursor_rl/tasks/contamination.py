@@ -7,9 +7,10 @@ Excluding the benchmark modules by name (``splits.BENCH_MODULES``, applied by th
 pretraining corpus) cannot catch copies under another name, vendored code, or
 training tasks that happen to contain the same code. This check measures it:
 
-1. **What is compared.** A task's *solution* is the code its reference patch adds
-   (the ``+`` lines of ``solution_patch``): the removed body, the corrected line, the
-   refactored code. It is compared with every document of the pretraining corpus
+1. **What is compared.** A task's *solution* is its reference patch's hunks after
+   the change (added lines with their context lines): the removed body, the
+   corrected line in its surroundings, the refactored code. It is compared with
+   every document of the pretraining corpus
    (``--corpus``: the data pipeline's source specs) and with everything in the
    training tasks (their repositories, hidden tests and patches).
 2. **How.** Code is split into tokens (identifiers, numbers, single punctuation
@@ -52,10 +53,22 @@ def code_tokens(text: str) -> list[str]:
 
 
 def solution_text(task: records.TaskRecord) -> str:
-    """The code a task's reference solution adds (its patch's ``+`` lines)."""
+    """The solved code of a task: each hunk of its patch after the change.
+
+    The added lines with the patch's context lines: a one-line bug fix such as
+    ``if i == 0:`` occurs all over any corpus, the fixed line in its surroundings only
+    where the module itself was copied.
+    """
     lines = []
+    in_hunk = False
     for line in task.solution_patch.split("\n"):
-        if line.startswith("+") and not line.startswith("+++"):
+        if line.startswith("@@"):
+            in_hunk = True
+        elif line.startswith(("--- ", "+++ ")) and not in_hunk:
+            continue
+        elif line.startswith("--- "):
+            in_hunk = False
+        elif in_hunk and line[:1] in ("+", " "):
             lines.append(line[1:])
     return "\n".join(lines)
 
