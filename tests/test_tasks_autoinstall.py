@@ -217,3 +217,14 @@ def test_agent_mode_is_checked_and_falls_back_to_heuristics(tmp_path):
     )
     assert result.ok and result.recipe.mode == "heuristic"
     assert "agent recipe rejected by the validation test: tests_failed" in result.log
+
+
+def test_validation_test_reads_pytest_and_unittest_summaries():
+    namespace = {"__file__": "/env/autoinstall_check.py", "__name__": "check"}
+    exec(autoinstall.check_source(["pkg"], ["."], "python -m pytest"), namespace)
+    counts = namespace["counts"]
+    assert counts("== 1 failed, 198 passed, 1 skipped in 0.85s ==") == (198, 1)
+    assert counts("== 3 passed, 2 errors in 1s ==") == (3, 2)
+    assert counts("....\nRan 4 tests in 0.1s\n\nOK\n") == (4, 0)
+    assert counts("Ran 5 tests in 0.1s\n\nFAILED (failures=1, errors=1, skipped=1)") == (2, 2)
+    assert counts("no tests here") == (0, 0)

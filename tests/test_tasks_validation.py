@@ -143,6 +143,10 @@ def test_stdlib_task_validates_and_grades(tmp_path):
     with sandbox.Sandbox(workspace, **grading.sandbox_kwargs(record)) as sb:
         probe = sb.run("python -c 'import platform; print(platform.python_version())'; ls", 60)
     assert probe.stdout.split() == [record.environment["python_version"], "colorsys.py"]
+    # The interpreter's own copy of the module and its tests are recorded for masking.
+    hidden = record.environment["hidden_paths"]
+    assert any(p.endswith("/colorsys.py") for p in hidden)
+    assert any(p.endswith("/test/test_colorsys.py") for p in hidden)
     grading.apply_patch_files(record, workspace)
     with open(os.path.join(workspace, "colorsys.py")) as f:
         assert f.read() == repo.tree["colorsys.py"]

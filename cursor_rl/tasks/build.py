@@ -37,6 +37,7 @@ import random
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
@@ -352,7 +353,20 @@ def build(config: BuildConfig, *, log: Callable[[str], None] = print) -> dict[st
         log(f"decontaminating against {len(train)} training tasks and {len(documents)} documents")
 
     def run(repo: SourceRepo) -> RepoResult:
-        result = build_repo(repo, config, seen=seen, lock=lock, budget=budget, reference=reference)
+        try:
+            result = build_repo(
+                repo, config, seen=seen, lock=lock, budget=budget, reference=reference
+            )
+        except Exception:  # one repository must not end the build; its tasks are lost
+            result = RepoResult(repo)
+            result.rejections.append(
+                {
+                    "repo": repo.name,
+                    "generator": "",
+                    "reason": "crashed",
+                    "detail": traceback.format_exc()[-2000:],
+                }
+            )
         with lock:
             accepted[0] += len(result.tasks)
         log(

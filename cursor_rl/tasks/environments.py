@@ -23,6 +23,7 @@ Pure Python, no JAX.
 
 from __future__ import annotations
 
+import glob
 import os
 import platform
 import sys
@@ -51,6 +52,37 @@ def interpreter_environment() -> dict[str, Any]:
     }
 
 
+def stdlib_copies_of(module: str, environment: Mapping[str, Any]) -> list[str]:
+    """Host paths that would show a stdlib task's solution or hidden tests to the agent.
+
+    The interpreter that runs a stdlib task carries the module's original source and
+    its unit tests (``lib/pythonX.Y/NAME.py``, ``test/test_NAME.py``, their bytecode),
+    and so may the system Python under ``/usr/lib``, which every sandbox mounts. A
+    record lists them as ``environment["hidden_paths"]``; the episode's sandbox must
+    mask them (see ``cursor_rl.tasks.grading.sandbox_kwargs``).
+    """
+    roots = set()
+    python = environment.get("python") or base_interpreter()
+    prefix = os.path.realpath(os.path.join(os.path.dirname(python), ".."))
+    roots |= set(glob.glob(os.path.join(prefix, "lib", "python3*")))
+    roots |= set(glob.glob("/usr/lib/python3*"))
+    patterns = (
+        f"{module}.py",
+        f"_py{module}.py",
+        f"__pycache__/{module}.*.pyc",
+        f"__pycache__/_py{module}.*.pyc",
+        f"test/test_{module}.py",
+        f"test/test_{module}_*.py",
+        f"test/test_{module}",
+        f"test/__pycache__/test_{module}.*.pyc",
+        f"test/__pycache__/test_{module}_*.pyc",
+    )
+    found = {
+        p for root in roots for pattern in patterns for p in glob.glob(os.path.join(root, pattern))
+    }
+    return sorted(os.path.realpath(p) for p in found)
+
+
 def resolve(environment: Mapping[str, Any]) -> dict[str, Any]:
     """The recipe usable on this machine (see the module docstring).
 
@@ -73,5 +105,11 @@ def resolve(environment: Mapping[str, Any]) -> dict[str, Any]:
             f"and the running Python is {running}"
         )
     local = interpreter_environment()
+    old_prefix = os.path.realpath(os.path.join(os.path.dirname(env["python"]), ".."))
+    new_prefix = local["readonly_paths"][0]
     env.update(python=local["python"], readonly_paths=local["readonly_paths"])
+    env["hidden_paths"] = [  # the same files in this machine's installation
+        new_prefix + p[len(old_prefix) :] if p.startswith(old_prefix + "/") else p
+        for p in env.get("hidden_paths", [])
+    ]
     return env

@@ -50,6 +50,8 @@ def stdlib_repo(module: str) -> SourceRepo:
     for path, rel in ((source, f"{module}.py"), (tests, f"test_{module}.py")):
         with open(path, encoding="utf-8") as f:
             tree[rel] = f.read()
+    environment = environments.interpreter_environment()
+    environment["hidden_paths"] = environments.stdlib_copies_of(module, environment)
     return SourceRepo(
         name=module,
         tree=tree,
@@ -60,7 +62,7 @@ def stdlib_repo(module: str) -> SourceRepo:
         source="stdlib",
         repo=f"cpython-{platform.python_version()}",
         family="stdlib",
-        environment=environments.interpreter_environment(),
+        environment=environment,
     )
 
 

@@ -52,6 +52,7 @@ REJECTION_REASONS = (
     "sandbox_error",  # the sandbox could not run the tests
     "contaminated",  # (build) the solution overlaps the training tasks
     "autoinstall_failed",  # (build) the repository could not be installed
+    "crashed",  # (build) an unexpected error while building a repository's tasks
 )
 _COLLECT_UNITTEST = """
 import json, sys, unittest
@@ -153,6 +154,18 @@ def apply_changes(tree: Mapping[str, str], changes: Mapping[str, str | None]) ->
     return out
 
 
+def _gradable(ids: Sequence[str]) -> list[str]:
+    """Sorted unique ids the grader can address (a doctest's bare id cannot be)."""
+    keep = []
+    for test_id in dict.fromkeys(ids):
+        try:
+            grader.framework_of(test_id)
+        except ValueError:
+            continue
+        keep.append(test_id)
+    return sorted(keep)
+
+
 def _module_name(path: str) -> str:
     return path[: -len(".py")].replace("/", ".")
 
@@ -212,12 +225,12 @@ class RepoValidator:
                     found = json.loads(line[len("COLLECTED ") :])
                     if found["errors"]:
                         raise RuntimeError("test import errors: " + "; ".join(found["errors"]))
-                    return sorted(dict.fromkeys(found["ids"]))
+                    return _gradable(found["ids"])
             raise RuntimeError(f"collection printed nothing: {result.stderr[-2000:]}")
         ids = [line.strip() for line in result.stdout.splitlines() if "::" in line]
         if result.exit_code not in (0, 5) or not ids:
             raise RuntimeError(f"pytest collection failed: {result.stdout[-2000:]}")
-        return sorted(dict.fromkeys(ids))
+        return _gradable(ids)
 
     def run_tests(
         self,
