@@ -151,3 +151,28 @@ def test_stdlib_task_validates_and_grades(tmp_path):
     with open(os.path.join(workspace, "colorsys.py")) as f:
         assert f.read() == repo.tree["colorsys.py"]
     assert grader.grade(spec, workspace).resolved
+
+
+def test_solution_patch_round_trips_through_apply(tmp_path):
+    from test_tasks_records import make_record
+
+    from cursor_rl.tasks import records
+
+    start = {
+        "a.py": "x = 1\ny = 2\n\x0c\nz = 3\n",
+        "gone.py": "old\n",
+        "tail.py": "no newline at the end",
+        "pkg/keep.py": "same\n",
+    }
+    reference = {
+        "a.py": "x = 1\ny = 20\n\x0c\nz = 3\n",
+        "new/file.py": "fresh = True\n",
+        "tail.py": "no newline at the end, still",
+        "pkg/keep.py": "same\n",
+    }
+    patch = build.solution_patch(start, reference)
+    record = make_record(repo=records.archive_snapshot(start), solution_patch=patch)
+    workspace = str(tmp_path / "ws")
+    records.materialize(record, workspace)
+    grading.apply_patch_files(record, workspace)
+    assert records.read_tree(workspace) == reference

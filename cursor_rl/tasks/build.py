@@ -118,7 +118,11 @@ def solution_patch(start: dict[str, str], reference: dict[str, str]) -> str:
             fromfile=f"a/{path}" if before is not None else "/dev/null",
             tofile=f"b/{path}" if after is not None else "/dev/null",
         )
-    return "".join(line if line.endswith("\n") else line + "\n" for line in chunks)
+    # difflib leaves a last line without newline bare; mark it as `diff -u` does.
+    return "".join(
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+        for line in chunks
+    )
 
 
 def task_id(repo: SourceRepo, generator: str, task: validation.ValidatedTask) -> str:

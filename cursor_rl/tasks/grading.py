@@ -17,12 +17,15 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 import warnings
 from typing import Any
 
 from cursor_rl.env import grader
 from cursor_rl.env.sandbox import HARNESS_DIR, Sandbox
 from cursor_rl.tasks import environments, records
+
+_HUNK = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
 def prepare_task(
@@ -119,25 +122,37 @@ def solution_files(task: records.TaskRecord, workspace: str) -> dict[str, str | 
         old, new = lines[i][4:].strip(), lines[i + 1][4:].strip()
         i += 2
         path = (new if new != "/dev/null" else old)[2:]
-        source_path = os.path.join(workspace, *path.split("/"))
         before = []
         if old != "/dev/null":
-            with open(source_path, encoding="utf-8") as f:
+            with open(os.path.join(workspace, *path.split("/")), encoding="utf-8") as f:
                 before = records.split_lines(f.read())
         after: list[str] = []
         pos = 0
         while i < len(lines) and lines[i].startswith("@@"):
-            start = int(lines[i].split()[1].split(",")[0][1:])
+            match = _HUNK.match(lines[i])
+            old_start, old_count, new_count = (
+                int(match.group(1)),
+                int(match.group(2) or 1),
+                int(match.group(4) or 1),
+            )
             i += 1
-            hunk_start = max(start - 1, 0) if old != "/dev/null" else 0
+            hunk_start = max(old_start - 1, 0) if old_count else old_start
             after += before[pos:hunk_start]
             pos = hunk_start
-            while i < len(lines) and lines[i][:1] in (" ", "-", "+"):
+            previous = ""
+            # A hunk holds exactly old_count old and new_count new lines.
+            while old_count or new_count or (i < len(lines) and lines[i].startswith("\\")):
                 tag, body = lines[i][:1], lines[i][1:]
-                if tag in (" ", "-"):
+                if tag == "\\":  # "\ No newline at end of file" for the line before
+                    if previous in (" ", "+"):
+                        after[-1] = after[-1].removesuffix("\n")
+                elif tag in (" ", "-"):
                     pos += 1
+                    old_count -= 1
                 if tag in (" ", "+"):
                     after.append(body)
+                    new_count -= 1
+                previous = tag
                 i += 1
         after += before[pos:]
         out[path] = None if new == "/dev/null" else "".join(after)
