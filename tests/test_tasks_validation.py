@@ -176,3 +176,27 @@ def test_solution_patch_round_trips_through_apply(tmp_path):
     records.materialize(record, workspace)
     grading.apply_patch_files(record, workspace)
     assert records.read_tree(workspace) == reference
+
+
+def test_recorded_interpreter_is_mapped_to_this_machine():
+    import platform
+
+    from cursor_rl.tasks import environments
+
+    local = environments.interpreter_environment()
+    moved = {
+        "python": "/elsewhere/py/bin/python3",
+        "python_version": platform.python_version(),
+        "readonly_paths": ["/elsewhere/py"],
+        "python_path": ["."],
+        "hidden_paths": ["/elsewhere/py/lib/python3/colorsys.py", "/usr/lib/x.py"],
+    }
+    env = environments.resolve(moved)
+    assert env["python"] == local["python"] and env["readonly_paths"] == local["readonly_paths"]
+    assert env["hidden_paths"] == [
+        local["readonly_paths"][0] + "/lib/python3/colorsys.py",
+        "/usr/lib/x.py",
+    ]
+    with pytest.raises(environments.TaskEnvironmentError, match="does not exist here"):
+        environments.resolve({**moved, "python_version": "2.7.18"})
+    assert environments.resolve({})["python"] == local["python"]
