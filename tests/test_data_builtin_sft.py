@@ -70,10 +70,11 @@ def test_shipped_set_is_agent_trajectories_in_the_harness_format():
     assert "<|tool_call|>" in trained and "Submitted." not in trained
     assert np.isin(batch["loss_mask"], (0, 1)).all()
     # The system prompt alone exceeds 32 tokens: truncation would train on nothing.
+    truncate = pipeline.DataConfig(sft_sources=(sft.BUILTIN,), exclude_modules=(), sft_max_chunks=1)
     with pytest.raises(ValueError, match=r"seq_len=32 .* no assistant token"):
-        pipeline.make_sft_dataset(config, tok, seq_len=32, global_batch_size=2, seed=0)
-    split = pipeline.DataConfig(sft_sources=(sft.BUILTIN,), exclude_modules=(), sft_max_chunks=0)
-    batch = next(pipeline.make_sft_iterator(split, tok, seq_len=256, global_batch_size=2, seed=0))
+        pipeline.make_sft_dataset(truncate, tok, seq_len=32, global_batch_size=2, seed=0)
+    # Kept whole (the default), the later chunks carry the assistant's turns.
+    batch = next(pipeline.make_sft_iterator(config, tok, seq_len=256, global_batch_size=2, seed=0))
     assert batch["loss_mask"].any()
 
 

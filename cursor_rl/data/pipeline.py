@@ -73,8 +73,10 @@ class DataConfig:
       read_threads: threads reading and tokenizing documents.
       sft_sources: SFT conversation sources: ``builtin`` (the generated agent
         trajectories) and/or JSONL globs of ``{"messages": [...]}`` records.
-      sft_max_chunks: chunks kept from a conversation longer than ``seq_len``
-        (1 = truncate; 0 = keep all).
+      sft_max_chunks: ``seq_len`` chunks kept from a longer conversation: 0 keeps
+        all (the default: agent trajectories outgrow short contexts — the harness's
+        system prompt alone is ~1k tokens at a 2k vocabulary — and later chunks still
+        teach the tool calls); 1 truncates (every example keeps its system prompt).
       sft_eval_fraction: share of conversations held out (SFT sets are small).
       seqio_mixture: when set, pretraining batches come from this seqio Mixture or
         Task instead of ``sources`` (needs the ``seqio`` extra; see
@@ -92,7 +94,7 @@ class DataConfig:
     shuffle_window: int = 512
     read_threads: int = 2
     sft_sources: tuple[str, ...] = ("builtin",)
-    sft_max_chunks: int = 1
+    sft_max_chunks: int = 0
     sft_eval_fraction: float = 0.1
     seqio_mixture: str = ""
     seqio_modules: tuple[str, ...] = ()
