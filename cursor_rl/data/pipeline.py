@@ -23,7 +23,7 @@ Stages (each a grain transformation, so ``get_state``/``set_state`` is exact):
 2. a global shuffle, reshuffled every epoch, repeating forever (the trainer counts
    steps; eval takes a fixed number of batches from a fresh iterator);
 3. tokenize (threads via ``read_threads``): ``<|bos|>`` + text + ``<|eos|>``;
-4. split examples longer than ``seq_len`` into chunks (SFT: truncate);
+4. split examples longer than ``seq_len`` into chunks (SFT: ``sft_max_chunks``);
 5. window-shuffle chunks (``shuffle_window``), so one long file does not fill whole
    batches by itself;
 6. pack (first-fit or best-fit) and batch.
