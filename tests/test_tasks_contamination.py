@@ -91,3 +91,29 @@ def test_reference_index_checks_one_task_at_a_time():
     assert (
         index.overlap(task_with_solution("d", "total = sum(v for v in values if v > limit)")) == 0.0
     )
+
+
+def test_array_record_corpus_is_read_without_jax(tmp_path):
+    import subprocess
+    import sys
+
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    path = str(tmp_path / "shard.array_record")
+    writer = ArrayRecordWriter(path, "group_size:1")
+    for i, text in enumerate(["def f(self, chunks, cur_line, indent):\n" + SOLUTION, "y = 2"]):
+        writer.write(json.dumps({"text": text, "id": str(i)}).encode())
+    writer.close()
+    docs = list(contamination.corpus_documents(f"array_record:{path}"))
+    assert [d[0] for d in docs] == [f"{path}:0", f"{path}:1"]
+    report = contamination.check(
+        [task_with_solution("b", SOLUTION)], corpus=[f"array_record:{path}"]
+    )
+    assert report["rows"][0]["corpus_overlap"] == 1.0
+    code = (
+        "import sys\nfrom cursor_rl.tasks import contamination\n"
+        f"list(contamination.corpus_documents('array_record:{path}'))\n"
+        "print('jax' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
