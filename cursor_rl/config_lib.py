@@ -116,6 +116,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.seq_len = 256
     c.train.microbatches = 1  # gradient accumulation: batch_size splits into this many
     c.train.z_loss = 0.0  # coefficient of log(Z)^2 (PaLM), 0 = off
+    c.train.loss_chunk_size = 0  # project to the vocabulary this many positions at a time
     c.train.log_every = 10
     c.train.eval_every = 50
     c.train.eval_batches = 4

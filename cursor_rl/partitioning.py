@@ -200,12 +200,23 @@ def logical_sharding(
 
 
 def tree_shardings(abstract_tree, mesh: Mesh, rules: LogicalRules):
-    """NamedShardings for a pytree of (possibly ``LogicallyPartitioned``) leaves.
+    """NamedShardings for a pytree whose leaves may be logically annotated.
 
-    Leaves without logical annotations are replicated.
+    Boxed leaves (``nn.LogicallyPartitioned``) map through ``rules``; other leaves
+    are replicated. The result has the boxes removed (same structure as
+    ``strip_axis_metadata(abstract_tree)``).
     """
-    specs = nn.get_partition_spec(abstract_tree)
-    return nn.logical_to_mesh_sharding(specs, mesh, rules)
+    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+
+    def one(leaf):
+        if is_box(leaf):
+            inner = leaf.unbox(apply_constraint=False)
+            if not hasattr(inner, "shape"):  # a box around an empty node (optax MaskedNode)
+                return inner
+            return NamedSharding(mesh, logical_to_spec(leaf.get_partition_spec(), rules))
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree.map(one, abstract_tree, is_leaf=is_box)
 
 
 def strip_axis_metadata(tree):

@@ -39,9 +39,9 @@ def variables():
     v = model.init(TINY, jax.random.key(0))
     # A non-zero correction bias so the biased choice differs from the plain top-k.
     bias = v["router"]["moe_layers"]["layer"]["moe"]["bias"]
-    v["router"]["moe_layers"]["layer"]["moe"]["bias"] = jax.random.normal(
-        jax.random.key(1), bias.shape
-    ) * 0.1
+    v["router"]["moe_layers"]["layer"]["moe"]["bias"] = (
+        jax.random.normal(jax.random.key(1), bias.shape) * 0.1
+    )
     return v
 
 
@@ -114,12 +114,10 @@ def test_dropless_dispatch_equals_dense(variables, impl):
     other = forward(TINY.replace(moe_impl=impl), variables, tokens)
     np.testing.assert_allclose(other, dense, atol=2e-5, rtol=1e-5)
     g_dense = jax.grad(
-        lambda p: forward(TINY.replace(moe_impl="dense"), {**variables, "params": p}, tokens)
-        .sum()
+        lambda p: forward(TINY.replace(moe_impl="dense"), {**variables, "params": p}, tokens).sum()
     )(variables["params"])
     g_other = jax.grad(
-        lambda p: forward(TINY.replace(moe_impl=impl), {**variables, "params": p}, tokens)
-        .sum()
+        lambda p: forward(TINY.replace(moe_impl=impl), {**variables, "params": p}, tokens).sum()
     )(variables["params"])
     for a, b in zip(jax.tree.leaves(g_dense), jax.tree.leaves(g_other)):
         np.testing.assert_allclose(a, b, atol=5e-5, rtol=1e-4)
@@ -246,3 +244,22 @@ def test_invalid_config_names_the_field(field, value):
 def test_from_dict_rejects_unknown_fields():
     with pytest.raises(ValueError, match="hidden_sise"):
         ModelConfig.from_dict({"hidden_sise": 3})
+
+
+def test_chunked_attention_equals_dot(variables):
+    tokens = _tokens(2, 16)
+    segment_ids = jnp.asarray([[1] * 10 + [2] * 6, [1] * 16])
+    chunked = TINY.replace(attention_impl="chunked", attention_chunk_size=4)
+
+    def loss(config, params):
+        return forward(config, {**variables, "params": params}, tokens, None, segment_ids).sum()
+
+    np.testing.assert_allclose(
+        forward(chunked, variables, tokens, None, segment_ids),
+        forward(TINY, variables, tokens, None, segment_ids),
+        atol=1e-5,
+    )
+    g0 = jax.grad(lambda p: loss(TINY, p))(variables["params"])
+    g1 = jax.grad(lambda p: loss(chunked, p))(variables["params"])
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)

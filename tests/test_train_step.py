@@ -37,7 +37,7 @@ def _opt_config(**kw):
     return c
 
 
-def _make(opt_name="adamw", microbatches=1, clip=1.0):
+def _make(opt_name="adamw", microbatches=1, clip=1.0, loss_chunk=0):
     opt = _opt_config(name=opt_name, clip_norm=clip, warmup_steps=1)
     tx = optimizer.make_optimizer(opt, 10)
     schedule = optimizer.make_schedule(opt, 10)
@@ -50,6 +50,7 @@ def _make(opt_name="adamw", microbatches=1, clip=1.0):
             tx=tx,
             schedule=schedule,
             microbatches=microbatches,
+            loss_chunk=loss_chunk,
         )
     )
     return state, fn
@@ -92,6 +93,18 @@ def test_gradient_accumulation_equals_full_batch(opt_name):
     for x, y in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s4.params)):
         np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-4)
     np.testing.assert_array_equal(jax.tree.leaves(s1.router)[0], jax.tree.leaves(s4.router)[0])
+
+
+def test_chunked_vocabulary_projection_equals_full():
+    state, full = _make()
+    _, chunked = _make(loss_chunk=4)
+    batch = _batch(masked_tail=3)
+    s1, m1 = full(state, batch)
+    s2, m2 = chunked(state, batch)
+    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+        np.testing.assert_allclose(x, y, atol=1e-6)
 
 
 def test_non_finite_update_is_skipped_and_counted():

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 MOE_IMPLS = ("auto", "ragged", "blocked", "dense")
+ATTENTION_IMPLS = ("dot", "chunked")
 REMAT_POLICIES = (
     "none",
     "full",
@@ -72,6 +73,10 @@ class ModelConfig:
     # token (reference); "auto": ragged on accelerators, blocked on CPU.
     moe_impl: str = "auto"
     moe_block_size: int = 128
+    # "dot": scores materialised [B, H, T, T] (fastest for short rows); "chunked":
+    # query chunks of attention_chunk_size, recomputed in backward (long rows).
+    attention_impl: str = "dot"
+    attention_chunk_size: int = 512
     # Positions.
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -176,6 +181,8 @@ class ModelConfig:
         need(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
         need(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
         need(self.moe_block_size > 0, "moe_block_size", "must be > 0")
+        need(self.attention_impl in ATTENTION_IMPLS, "attention_impl", f"one of {ATTENTION_IMPLS}")
+        need(self.attention_chunk_size > 0, "attention_chunk_size", "must be > 0")
         need(self.remat_policy in REMAT_POLICIES, "remat_policy", f"one of {REMAT_POLICIES}")
         need(self.dtype in _DTYPES, "dtype", f"one of {sorted(_DTYPES)}")
         need(self.param_dtype in _DTYPES, "param_dtype", f"one of {sorted(_DTYPES)}")

@@ -131,15 +131,6 @@ def apply_rope(x: Array, rope: Rope, interleave: bool) -> Array:
 # ---- attention ----------------------------------------------------------------------
 
 
-def attention_mask(segment_ids: Array | None, batch: int, length: int) -> Array:
-    """Causal mask [B, 1, T, T] that also keeps packed documents apart."""
-    causal = jnp.tril(jnp.ones((length, length), dtype=jnp.bool_))[None, None]
-    if segment_ids is None:
-        return jnp.broadcast_to(causal, (batch, 1, length, length))
-    same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-    return causal & same
-
-
 class MLA(nn.Module):
     """Multi-head latent attention (DeepSeek-V2 sec. 2.1).
 
@@ -196,22 +187,60 @@ class MLA(nn.Module):
 
     def __call__(self, x: Array, rope: Rope, segment_ids: Array | None) -> Array:
         c = self.config
-        b, t, _ = x.shape
+        t = x.shape[1]
         q_nope, q_rope = self.queries(x, rope)
         kv_latent, k_rope = self.latents(x, rope)
         kv = jnp.einsum("btc,chk->bthk", kv_latent, self.kv_b_proj)
         kv = constrain(kv, BTHK)
         k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim :]
-        # Scores from the two query parts; the rope key is shared by all heads.
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
-        scores += jnp.einsum("bqhr,bkr->bhqk", q_rope, k_rope, preferred_element_type=jnp.float32)
-        scores *= c.softmax_scale
-        mask = attention_mask(segment_ids, b, t)
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(c.jnp_dtype)
-        out = jnp.einsum("bhqk,bkhv->bqhv", probs, v)
+        chunk = c.attention_chunk_size
+        if c.attention_impl == "chunked" and t > chunk and t % chunk == 0:
+            out = _chunked_attention(c, q_nope, q_rope, k_nope, k_rope, v, segment_ids, chunk)
+        else:
+            out = _attention(c, q_nope, q_rope, k_nope, k_rope, v, segment_ids, jnp.arange(t))
         out = constrain(out, BTHK)
         return jnp.einsum("bthv,hvd->btd", out, self.o_proj)
+
+
+def _attention(c: ModelConfig, q_nope, q_rope, k_nope, k_rope, v, segment_ids, q_index):
+    """Causal attention of queries at ``q_index`` [Tq] to every key [Tk], masked by segment.
+
+    Scores come from the two query parts; the rope key is shared by all heads.
+    """
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
+    scores += jnp.einsum("bqhr,bkr->bhqk", q_rope, k_rope, preferred_element_type=jnp.float32)
+    scores *= c.softmax_scale
+    mask = q_index[:, None] >= jnp.arange(k_nope.shape[1])[None, :]
+    mask = mask[None, None]
+    if segment_ids is not None:
+        q_seg = jnp.take(segment_ids, q_index, axis=1)
+        mask = mask & (q_seg[:, None, :, None] == segment_ids[:, None, None, :])
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(c.jnp_dtype)
+    return jnp.einsum("bhqk,bkhv->bqhv", probs, v)
+
+
+def _chunked_attention(c: ModelConfig, q_nope, q_rope, k_nope, k_rope, v, segment_ids, chunk):
+    """Memory-efficient attention: one query chunk at a time, recomputed in backward.
+
+    Peak memory holds one chunk's scores [B, H, chunk, T] instead of [B, H, T, T]
+    (Rabe & Staats, arXiv:2112.05682, with query chunking only); each chunk is
+    ``jax.checkpoint``-ed so the backward pass does not keep every chunk's scores.
+    """
+    b, t, h, _ = q_nope.shape
+    n = t // chunk
+
+    def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
+        return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def one(args):
+        qn, qr, index = args
+        return _attention(c, qn, qr, k_nope, k_rope, v, segment_ids, index)
+
+    indices = jnp.arange(t).reshape(n, chunk)
+    out = jax.lax.map(one, (split(q_nope), split(q_rope), indices))  # [n, B, chunk, H, Dv]
+    return jnp.moveaxis(out, 0, 1).reshape(b, t, h, -1)
 
 
 class MLP(nn.Module):

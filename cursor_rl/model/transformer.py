@@ -108,8 +108,12 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(
-        self, tokens: Array, positions: Array | None = None, segment_ids: Array | None = None
-    ) -> tuple[Array, dict[str, Array]]:
+        self,
+        tokens: Array,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        return_hidden: bool = False,
+    ):
         c = self.config
         b, t = tokens.shape
         if positions is None:
@@ -141,10 +145,6 @@ class Transformer(nn.Module):
                 (c.hidden_size, c.vocab_size),
                 c.jnp_param_dtype,
             )
-        logits = jnp.einsum(
-            "btd,dv->btv", x, head.astype(c.jnp_dtype), preferred_element_type=jnp.float32
-        )
-        logits = constrain(logits, ("act_batch", "act_length", "act_vocab"))
         if moe_aux is None:
             aux = {
                 "expert_load": jnp.zeros((0, c.n_routed_experts), jnp.float32),
@@ -155,7 +155,17 @@ class Transformer(nn.Module):
                 "expert_load": moe_aux["expert_load"],  # [L_moe, E]
                 "balance_loss": moe_aux["balance_loss"].sum() * c.aux_loss_coef,
             }
-        return logits, aux
+        if return_hidden:
+            return x, head.astype(c.jnp_dtype), aux
+        return project_logits(x, head.astype(c.jnp_dtype)), aux
+
+
+def project_logits(hidden: Array, head: Array) -> Array:
+    """Logits float32 [..., V] from final hidden states [..., D] and the head [D, V]."""
+    logits = jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+    if logits.ndim == 3:
+        logits = constrain(logits, ("act_batch", "act_length", "act_vocab"))
+    return logits
 
 
 # ---- public functions -------------------------------------------------------------
@@ -196,7 +206,7 @@ def init(
         return jax.jit(_init)(rng)
     shardings = variable_shardings(config, mesh, rules)
     with partitioning.use_mesh(mesh, rules):
-        return jax.jit(_init, out_shardings=nn.meta.unbox(shardings))(rng)
+        return jax.jit(_init, out_shardings=shardings)(rng)
 
 
 def forward_with_aux(
@@ -212,6 +222,21 @@ def forward_with_aux(
     ``balance_loss`` (the sequence-wise balance loss times ``aux_loss_coef``).
     """
     return Transformer(config).apply(variables, tokens, positions, segment_ids)
+
+
+def hidden_with_aux(
+    config: ModelConfig,
+    variables: Variables,
+    tokens: Array,
+    positions: Array | None = None,
+    segment_ids: Array | None = None,
+) -> tuple[Array, Array, dict[str, Array]]:
+    """Final (normed) hidden states [B, T, D], the LM head [D, V] and aux outputs.
+
+    For losses that project to the vocabulary in chunks (``project_logits``) instead
+    of materialising float32 [B, T, V] logits at once.
+    """
+    return Transformer(config).apply(variables, tokens, positions, segment_ids, True)
 
 
 def forward(

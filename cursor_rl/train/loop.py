@@ -24,7 +24,6 @@ import signal
 import time
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -197,34 +196,6 @@ class _BatchPutter:
         return out
 
 
-def _abstract_state(model_config: ModelConfig, tx, mesh, rules):
-    """Abstract variables/optimizer state (boxed, for shardings) and their shardings."""
-    boxed = model.abstract_variables(model_config)
-    opt_boxed = jax.eval_shape(tx.init, boxed["params"])
-    var_sh = nn.meta.unbox(partitioning.tree_shardings(boxed, mesh, rules))
-    opt_sh = nn.meta.unbox(partitioning.tree_shardings(opt_boxed, mesh, rules))
-    replicated = partitioning.replicated(mesh)
-    state_sh = step_lib.TrainState(
-        step=replicated,
-        params=var_sh["params"],
-        router=var_sh.get("router", {}),
-        opt_state=opt_sh,
-        skipped=replicated,
-    )
-    abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        step_lib.TrainState(
-            step=jax.ShapeDtypeStruct((), jnp.int32),
-            params=nn.meta.unbox(boxed["params"]),
-            router=nn.meta.unbox(boxed.get("router", {})),
-            opt_state=nn.meta.unbox(opt_boxed),
-            skipped=jax.ShapeDtypeStruct((), jnp.int32),
-        ),
-        state_sh,
-    )
-    return abstract, state_sh
-
-
 def _check_compatible(meta: dict[str, Any], model_config: ModelConfig, where: str) -> None:
     """The checkpoint's parameters must have this stage's shapes (names the first that differs)."""
     saved_cfg = checkpoints.model_config_from_metadata(meta, where)
@@ -278,7 +249,7 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> St
     num_steps = int(cfg.train.num_steps)
     tx = optim.make_optimizer(cfg.optimizer, num_steps)
     schedule = optim.make_schedule(cfg.optimizer, num_steps)
-    abstract, state_sh = _abstract_state(model_config, tx, mesh, rules)
+    abstract, state_sh = step_lib.abstract_train_state(model_config, tx, mesh, rules)
 
     train_iter = iter(make_data(cfg, tokenizer, "train", seed=cfg.seed))
     manager = checkpoints.CheckpointManager(
@@ -341,6 +312,7 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> St
                 schedule=schedule,
                 microbatches=int(cfg.train.microbatches),
                 z_loss=float(cfg.train.z_loss),
+                loss_chunk=int(cfg.train.loss_chunk_size),
             ),
             in_shardings=(state_sh, put.sharding),
             out_shardings=(state_sh, None),

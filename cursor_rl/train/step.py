@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from cursor_rl import model
+from cursor_rl import model, partitioning
 from cursor_rl.model.config import ModelConfig
 
 Batch = dict[str, jax.Array]
@@ -47,6 +47,62 @@ class TrainState:
         return {"step": self.step, "opt_state": self.opt_state, "skipped": self.skipped}
 
 
+def abstract_train_state(model_config: ModelConfig, tx, mesh, rules):
+    """The train state as ShapeDtypeStructs carrying their shardings, and the shardings.
+
+    Nothing is allocated: used to compile (also ahead of time for another topology)
+    and as the restore target of checkpoints.
+    """
+    boxed = model.abstract_variables(model_config)
+    variables = partitioning.strip_axis_metadata(boxed)
+    var_sh = partitioning.tree_shardings(boxed, mesh, rules)
+    opt_state = jax.eval_shape(tx.init, variables["params"])
+    replicated = partitioning.replicated(mesh)
+    state_sh = TrainState(
+        step=replicated,
+        params=var_sh["params"],
+        router=var_sh.get("router", {}),
+        opt_state=_follow_params(opt_state, variables["params"], var_sh["params"], replicated),
+        skipped=replicated,
+    )
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        TrainState(
+            step=jax.ShapeDtypeStruct((), jnp.int32),
+            params=variables["params"],
+            router=variables.get("router", {}),
+            opt_state=opt_state,
+            skipped=jax.ShapeDtypeStruct((), jnp.int32),
+        ),
+        state_sh,
+    )
+    return abstract, state_sh
+
+
+def _follow_params(opt_state, params, param_shardings, default):
+    """Shardings for optimizer-state leaves: a moment of a parameter shards like it.
+
+    Optax states mirror the parameter tree, so a state leaf whose key path ends with
+    a parameter's key path and has its shape takes that parameter's sharding;
+    everything else (step counts, scalars) gets ``default``.
+    """
+    by_path = {
+        jax.tree_util.keystr(path): (leaf.shape, sharding)
+        for (path, leaf), sharding in zip(
+            jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_shardings)
+        )
+    }
+
+    def one(path, leaf):
+        key = jax.tree_util.keystr(path)
+        for param_path, (shape, sharding) in by_path.items():
+            if key.endswith(param_path) and leaf.shape == shape:
+                return sharding
+        return default
+
+    return jax.tree_util.tree_map_with_path(one, opt_state)
+
+
 def init_state(variables: dict[str, Any], tx: optax.GradientTransformation) -> TrainState:
     return TrainState(
         step=jnp.zeros((), jnp.int32),
@@ -57,9 +113,16 @@ def init_state(variables: dict[str, Any], tx: optax.GradientTransformation) -> T
     )
 
 
-def _token_losses(config: ModelConfig, params, router, batch: Batch, z_loss: float):
-    """Per-batch sums: cross-entropy, z-loss, plus the model's aux outputs."""
-    logits, aux = model.forward_with_aux(
+def _token_losses(
+    config: ModelConfig, params, router, batch: Batch, z_loss: float, loss_chunk: int = 0
+):
+    """Per-batch sums: cross-entropy, z-loss, plus the model's aux outputs.
+
+    With ``loss_chunk`` the vocabulary projection runs over chunks of that many
+    positions, each recomputed in backward, so float32 [B, T, V] logits never exist
+    at once (vocabularies of 160K make them the largest activation).
+    """
+    hidden, head, aux = model.hidden_with_aux(
         config,
         {"params": params, "router": router},
         batch["tokens"],
@@ -67,11 +130,28 @@ def _token_losses(config: ModelConfig, params, router, batch: Batch, z_loss: flo
         batch["segment_ids"],
     )
     mask = batch["loss_mask"].astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
-    ce_sum = ((log_z - target_logit) * mask).sum()
-    z_sum = (jnp.square(log_z) * mask).sum() * z_loss
-    return ce_sum, z_sum, aux
+
+    def sums(h, targets, m):
+        logits = model.project_logits(h, head)
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        target_logit = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
+        return ((log_z - target_logit) * m).sum(), (jnp.square(log_z) * m).sum()
+
+    t = hidden.shape[1]
+    if loss_chunk and t > loss_chunk and t % loss_chunk == 0:
+        n = t // loss_chunk
+
+        def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
+            return jnp.moveaxis(x.reshape(x.shape[0], n, loss_chunk, *x.shape[2:]), 1, 0)
+
+        ce, zz = jax.lax.map(
+            jax.checkpoint(lambda a: sums(*a)),
+            (split(hidden), split(batch["targets"]), split(mask)),
+        )
+        ce_sum, z_sum = ce.sum(), zz.sum()
+    else:
+        ce_sum, z_sum = sums(hidden, batch["targets"], mask)
+    return ce_sum, z_sum * z_loss, aux
 
 
 def train_step(
@@ -83,12 +163,13 @@ def train_step(
     schedule: optax.Schedule,
     microbatches: int = 1,
     z_loss: float = 0.0,
+    loss_chunk: int = 0,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch [B, T] split into ``microbatches``."""
     num_tokens = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
 
     def loss_fn(params, micro):
-        ce_sum, z_sum, aux = _token_losses(config, params, state.router, micro, z_loss)
+        ce_sum, z_sum, aux = _token_losses(config, params, state.router, micro, z_loss, loss_chunk)
         loss = (ce_sum + z_sum) / num_tokens + aux["balance_loss"] / microbatches
         return loss, (ce_sum, z_sum, aux)
 
