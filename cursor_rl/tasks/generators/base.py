@@ -244,15 +244,24 @@ def parse(text: str, path: str = "<source>") -> ast.Module | None:
         return None
 
 
+def header_end(
+    lines: Sequence[str], node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+) -> int:
+    """The last line of a ``def``/``class`` header: before comments that open its body."""
+    line = node.body[0].lineno - 1
+    while line > node.lineno and (
+        not lines[line - 1].strip() or lines[line - 1].strip().startswith("#")
+    ):
+        line -= 1
+    return max(line, node.lineno)
+
+
 def signature(text: str, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> str:
-    """The ``def``/``class`` header of a node as written (decorators excluded)."""
+    """The ``def``/``class`` header of a node as written (no decorators, no body comments)."""
     lines = lines_of(text)
-    end = (node.body[0].lineno - 1) if node.body else node.lineno
-    header = lines[node.lineno - 1 : max(end, node.lineno)]
-    joined = "\n".join(header).rstrip()
-    # One-line bodies ("def f(x): return x") keep only the header part.
-    if node.body and node.body[0].lineno == node.lineno:
-        joined = _cut_at_col(lines[node.lineno - 1], node.body[0].col_offset).rstrip()
+    if node.body[0].lineno == node.lineno:  # one-line body ("def f(x): return x")
+        return _cut_at_col(lines[node.lineno - 1], node.body[0].col_offset).rstrip().strip()
+    joined = "\n".join(lines[node.lineno - 1 : header_end(lines, node)]).rstrip()
     return joined.strip() if "\n" not in joined else _dedent_block(joined)
 
 

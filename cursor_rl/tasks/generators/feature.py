@@ -45,15 +45,10 @@ def _is_stub(body: list[ast.stmt]) -> bool:
 
 
 def _header_end(lines: list[str], site: base.FunctionSite) -> int:
-    """The last line of the ``def`` header (before any comment above the body)."""
+    """The line after which the body is cut: the docstring's end, else the header's."""
     if site.docstring is not None:
         return site.node.body[0].end_lineno
-    line = site.body[0].lineno - 1
-    while line > site.node.lineno and (
-        not lines[line - 1].strip() or lines[line - 1].strip().startswith("#")
-    ):
-        line -= 1
-    return line
+    return base.header_end(lines, site.node)
 
 
 def _nonblank(lines: list[str]) -> int:
