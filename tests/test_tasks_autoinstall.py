@@ -76,6 +76,16 @@ needs_sandbox = pytest.mark.skipif(
 )
 
 
+def _package_index_reachable() -> bool:
+    _, hosts, local_paths = autoinstall.host_pip_options()
+    return bool(local_paths) or bool(autoinstall._reachable(hosts))
+
+
+needs_index = pytest.mark.skipif(
+    not _package_index_reachable(), reason="no package index (local or PyPI) is reachable"
+)
+
+
 def test_discover_reads_each_kind_of_build_file(tmp_path):
     found = autoinstall.discover(write_repo(tmp_path / "a", SETUP_PY_UNITTEST))
     assert found.framework == "unittest"
@@ -105,6 +115,7 @@ def test_normalize_command_accepts_only_test_runners():
 
 
 @needs_sandbox
+@needs_index
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "files, framework",
