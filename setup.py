@@ -40,6 +40,8 @@ setuptools.setup(
     version="0.1.0",
     description="Continued pretraining and agentic RL for coding models, JAX-native.",
     packages=setuptools.find_packages(include=["cursor_rl", "cursor_rl.*"]),
+    # Data files that ship with the code (the built-in SFT demonstrations).
+    package_data={"cursor_rl.data": ["*.jsonl"]},
     python_requires=">=3.11",
     install_requires=_CORE,
     extras_require=_EXTRAS,

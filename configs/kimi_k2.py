@@ -59,6 +59,8 @@ MODEL = ModelConfig(
     dtype="bfloat16",
     param_dtype="float32",
     remat_policy="full",
+    attention_impl="chunked",
+    attention_chunk_size=1024,
 )
 
 
@@ -72,6 +74,7 @@ def get_config(arg=None):
     c.mesh.ici = dict(data=1, fsdp=-1, context=1, expert=64, tensor=1)
     c.train.batch_size = 1024
     c.train.seq_len = 4096
+    c.train.loss_chunk_size = 512  # a 163840-wide vocabulary: project in chunks
     c.train.num_steps = 100_000
     c.optimizer.name = "muon"
     c.optimizer.schedule = "wsd"

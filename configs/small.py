@@ -38,6 +38,8 @@ MODEL = ModelConfig(
     max_position_embeddings=8192,
     dtype="bfloat16",
     remat_policy="dots_with_no_batch_dims_saveable",
+    attention_impl="chunked",
+    attention_chunk_size=1024,
 )
 
 
@@ -51,6 +53,8 @@ def get_config(arg=None):
     c.train.num_steps = 50_000
     c.train.batch_size = 256
     c.train.seq_len = 4096
+    c.train.microbatches = 8  # 32 rows per micro-batch: 4 per chip
+    c.train.loss_chunk_size = 1024
     c.train.log_every = 50
     c.train.eval_every = 1000
     c.optimizer.name = "muon"

@@ -91,6 +91,18 @@ def _imports(path: str, source: str) -> set[str]:
     return names
 
 
+def _data_files(root: str, path: str) -> list[str]:
+    """Non-Python files a module ships with: same stem, another extension (foo.jsonl)."""
+    stem = path[: -len(".py")]
+    directory = os.path.dirname(os.path.join(root, path))
+    return sorted(
+        os.path.relpath(os.path.join(directory, name), root)
+        for name in os.listdir(directory)
+        if os.path.splitext(name)[0] == os.path.basename(stem)
+        and not name.endswith((".py", ".pyc"))
+    )
+
+
 def _is_binary(source: str) -> bool:
     return 'if __name__ == "__main__":' in source
 
@@ -115,8 +127,10 @@ def generate(root: str) -> str:
             deps.add('":tests/conftest"')
         dep_text = "".join(f"        {d},\n" for d in sorted(deps))
         kind = "py_test" if is_test else "py_library"
+        data_text = ", ".join(f'"{d}"' for d in _data_files(root, path))
         blocks.append(
             f'{kind}(\n    name = "{target}",\n    srcs = ["{path}"],\n'
+            + (f"    data = [{data_text}],\n" if data_text else "")
             + (f"    deps = [\n{dep_text}    ],\n" if deps else "")
             + ")\n"
         )

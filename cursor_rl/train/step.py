@@ -113,7 +113,7 @@ def init_state(variables: dict[str, Any], tx: optax.GradientTransformation) -> T
     )
 
 
-def _token_losses(
+def token_losses(
     config: ModelConfig, params, router, batch: Batch, z_loss: float, loss_chunk: int = 0
 ):
     """Per-batch sums: cross-entropy, z-loss, plus the model's aux outputs.
@@ -169,7 +169,7 @@ def train_step(
     num_tokens = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
 
     def loss_fn(params, micro):
-        ce_sum, z_sum, aux = _token_losses(config, params, state.router, micro, z_loss, loss_chunk)
+        ce_sum, z_sum, aux = token_losses(config, params, state.router, micro, z_loss, loss_chunk)
         loss = (ce_sum + z_sum) / num_tokens + aux["balance_loss"] / microbatches
         return loss, (ce_sum, z_sum, aux)
 
@@ -241,5 +241,5 @@ def eval_step(
     variables: dict[str, Any], batch: Batch, *, config: ModelConfig
 ) -> dict[str, jax.Array]:
     """Sums for the held-out loss: cross-entropy and loss-token count."""
-    ce_sum, _, _ = _token_losses(config, variables["params"], variables["router"], batch, 0.0)
+    ce_sum, _, _ = token_losses(config, variables["params"], variables["router"], batch, 0.0)
     return {"ce_sum": ce_sum, "tokens": batch["loss_mask"].astype(jnp.float32).sum()}
