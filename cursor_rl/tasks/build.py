@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -59,6 +59,8 @@ class BuildConfig:
       split: ``train`` or ``bench``.
       generators: generator names (empty: all registered).
       max_per_generator: accepted tasks per repository and generator.
+      generator_caps: per-generator overrides of ``max_per_generator`` (e.g. more
+        feature removals than refactors).
       max_attempts: candidates tried per repository and generator.
       max_per_repo: accepted tasks per repository (0: no cap).
       count: stop after this many tasks (0: no cap; the tiny family needs it).
@@ -81,6 +83,7 @@ class BuildConfig:
     split: str = "train"
     generators: tuple[str, ...] = ()
     max_per_generator: int = 2
+    generator_caps: Mapping[str, int] = dataclasses.field(default_factory=dict)
     max_attempts: int = 8
     max_per_repo: int = 0
     count: int = 0
@@ -188,6 +191,9 @@ def make_record(
             "test_seconds": round(task.test_seconds, 3),
             "runs": runs,
             "flaky_dropped": task.flaky_dropped,
+            # What the starting state's failing tests reported (a few, truncated):
+            # bug reports are written from it, and RL feedback can use it.
+            "failures": [[t, detail[-1500:]] for t, detail in task.failures[:5]],
         },
     )
 
@@ -232,8 +238,12 @@ def build_repo(
         result.seconds = time.monotonic() - began
         return result
     # Round-robin over generators, so a per-repository cap keeps every kind of task.
+    # The generator order is shuffled per repository too: with a per-repository cap
+    # the first generators of a fixed order would always win.
+    names = list(config.generators or generators.names())
+    random.Random(f"{config.seed}:{repo.name}").shuffle(names)
     queues = {}
-    for name in config.generators or tuple(generators.names()):
+    for name in names:
         candidates = generators.get(name).fn(repo)
         random.Random(f"{config.seed}:{repo.name}:{name}").shuffle(candidates)
         queues[name] = iter(candidates[: config.max_attempts])
@@ -241,7 +251,9 @@ def build_repo(
     while queues and budget():
         for name in list(queues):
             cand = next(queues[name], None)
-            if cand is None or accepted[name] >= config.max_per_generator:
+            if cand is None or accepted[name] >= config.generator_caps.get(
+                name, config.max_per_generator
+            ):
                 del queues[name]
                 continue
             if not budget() or (config.max_per_repo and len(result.tasks) >= config.max_per_repo):
@@ -330,7 +342,7 @@ def build(config: BuildConfig, *, log: Callable[[str], None] = print) -> dict[st
     """
     if config.split not in splits.SPLITS:
         raise ValueError(f"--split must be one of {splits.SPLITS}")
-    for name in config.generators:
+    for name in (*config.generators, *config.generator_caps):
         generators.get(name)  # fail early on a typo
     os.makedirs(config.out, exist_ok=True)
     began = time.monotonic()
@@ -494,6 +506,9 @@ def main(argv: Iterable[str] | None = None) -> int:
     flags.DEFINE_integer(
         "max_per_generator", 2, "Tasks per repository and generator.", flag_values=fv
     )
+    flags.DEFINE_list(
+        "generator_caps", [], "NAME=N overrides of --max_per_generator.", flag_values=fv
+    )
     flags.DEFINE_integer(
         "max_attempts", 8, "Candidates tried per repository and generator.", flag_values=fv
     )
@@ -525,6 +540,9 @@ def main(argv: Iterable[str] | None = None) -> int:
         split=fv.split,
         generators=_split_list(fv.generators),
         max_per_generator=fv.max_per_generator,
+        generator_caps={
+            name: int(cap) for name, _, cap in (item.partition("=") for item in fv.generator_caps)
+        },
         max_attempts=fv.max_attempts,
         max_per_repo=fv.max_per_repo,
         count=fv.count,

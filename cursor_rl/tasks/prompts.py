@@ -15,6 +15,7 @@ Pure Python, no JAX.
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections.abc import Sequence
 
@@ -97,21 +98,30 @@ def feature_prompt(
     return "\n".join(parts)
 
 
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b")
+
+
 def _failure_summary(detail: str, max_lines: int) -> str:
     """The lines of a failure report that say what went wrong.
 
-    pytest marks its explanation with ``E``; a unittest traceback ends with the
-    failing line and the exception. File/traceback framing is dropped.
+    pytest marks its explanation with ``E``. A unittest traceback gives the failing
+    line of the test, then the exception and its message (for a list or string
+    mismatch, a diff follows, which is kept only as room allows).
     """
     lines = [line.rstrip() for line in detail.strip().splitlines() if line.strip()]
     explained = [line[1:].strip() for line in lines if line.startswith("E ")]
     if explained:
-        keep = "\n".join(line for line in explained if line)  # pytest: its "E" lines
-        keep = "\n".join(keep.splitlines()[:max_lines])
+        keep = "\n".join(line for line in explained[:max_lines] if line)
     else:
-        lines = [line.strip() for line in lines]
-        lines = [line for line in lines if not line.startswith(("File ", "Traceback", "^"))]
-        keep = "\n".join(lines[-max_lines:])
+        lines = [line.strip() for line in lines if not set(line.strip()) <= set("^~ ")]
+        starts = [i for i, line in enumerate(lines) if _EXCEPTION_LINE.match(line)]
+        if starts:
+            first = max(starts[-1] - 1, 0)  # the failing line, then the exception
+            if lines[first].startswith(("File ", "Traceback")):
+                first += 1
+            keep = "\n".join(lines[first : first + max_lines])
+        else:
+            keep = "\n".join(lines[-max_lines:])
     return keep if len(keep) <= _DETAIL_CHARS else keep[: _DETAIL_CHARS - 3] + "..."
 
 

@@ -6,22 +6,25 @@ it, frozen at build time:
 * ``repo``: the repository the agent starts from, at a pinned state. The hidden test
   files are *not* in it. Stored either inline as a base64 tar.gz (``"archive"``: the
   stdlib and tiny families, a few KB each, so a dataset is one self-contained file)
-  or as a directory beside the JSONL file (``"dir"``: large repositories). Both
-  carry ``tree_sha256``, a hash of the file tree (paths and contents)
-  that is the same for either form and is checked when the snapshot is unpacked.
+  or as a directory beside the JSONL file (``"dir"``: large repositories). Both carry
+  ``tree_sha256``, a hash of the file tree (paths and contents) that is the same for
+  either form and is checked when the snapshot is unpacked. Files are UTF-8 text
+  (Autoinstall leaves a repository's binary files out).
 * ``hidden_tests``: test files (path -> text) restored over the agent's tree before
   grading; ``test_framework`` (``unittest``/``pytest``) and ``test_command`` say how
   they run (the command is for people: grading runs the listed ids with the harness
-  runner); ``fail_to_pass`` / ``pass_to_pass`` are the test ids (the runner's format, e.g.
-  ``tests.test_textwrap.WrapTestCase.test_simple``) that must pass for reward.
-  Files are UTF-8 text: the sources used here have no binary files (a repository
-  that does is rejected at build time).
+  runner); ``fail_to_pass`` / ``pass_to_pass`` are the test ids in the runner's format
+  (``test_textwrap.WrapTestCase.test_simple``, ``tests/test_x.py::test_y``) that must
+  pass for reward.
 * ``solution_patch``: a unified diff from ``repo`` to the reference solution (never
   shown to the agent; used by the contamination check and for demonstrations).
 * ``category`` (feature, bug, refactor), ``generator`` (its registry name),
   ``difficulty`` (static features; the RL loop adds measured solve rates with
-  ``attach_solve_rates``), and
-  ``provenance`` (``source``, ``repo``, ``module``, ``file``, ``symbol``).
+  ``attach_solve_rates``) and ``provenance`` (``source``, ``repo``, ``module``,
+  ``file``, ``symbol``).
+* ``environment``: the interpreter recipe (``cursor_rl.tasks.environments``);
+  ``validation``: how it was validated (seconds, test seconds, runs, flaky tests
+  dropped, and the FAIL_TO_PASS tests' failure reports on the starting state).
 
 Design choices:
 
