@@ -10,7 +10,7 @@ import os
 import pytest
 
 from cursor_rl.env import sandbox
-from cursor_rl.tasks import autoinstall
+from cursor_rl.tasks import autoinstall, buildfiles
 
 SETUP_PY_UNITTEST = {
     "setup.py": (
@@ -87,18 +87,18 @@ needs_index = pytest.mark.skipif(
 
 
 def test_discover_reads_each_kind_of_build_file(tmp_path):
-    found = autoinstall.discover(write_repo(tmp_path / "a", SETUP_PY_UNITTEST))
+    found = buildfiles.discover(write_repo(tmp_path / "a", SETUP_PY_UNITTEST))
     assert found.framework == "unittest"
     assert found.test_command == "python -m unittest discover -s tests -t ."
     assert found.packages == ("mathx",) and found.python_path == (".",)
     assert "setup.py" in found.build_files and found.requirements == ()
 
-    found = autoinstall.discover(write_repo(tmp_path / "b", PYPROJECT_PYTEST))
+    found = buildfiles.discover(write_repo(tmp_path / "b", PYPROJECT_PYTEST))
     assert found.framework == "pytest" and found.test_command == "python -m pytest -q"
     assert found.requirements == ("pytest",)
     assert found.python_path == ("src", ".") and found.packages == ("greet",)
 
-    found = autoinstall.discover(write_repo(tmp_path / "c", REQUIREMENTS_MAKEFILE))
+    found = buildfiles.discover(write_repo(tmp_path / "c", REQUIREMENTS_MAKEFILE))
     assert found.test_command == "python -m unittest discover -s tests -v"
     assert found.requirement_files == ("requirements.txt",)
     assert any("Makefile" in note for note in found.notes)
@@ -106,7 +106,7 @@ def test_discover_reads_each_kind_of_build_file(tmp_path):
 
 
 def test_normalize_command_accepts_only_test_runners():
-    norm = autoinstall._normalize_command
+    norm = buildfiles._normalize_command
     assert norm("pytest {posargs} tests") == "python -m pytest tests"
     assert norm("COVERAGE=1 coverage run -m pytest -x") == "python -m pytest -x"
     assert norm("@$(PYTHON) -m unittest discover") == "python -m unittest discover"
@@ -183,7 +183,7 @@ def oracle_turns(repo, recipe_overrides=None):
     """The heuristic plan, replayed as harness tool calls (the agent mode's oracle)."""
     from cursor_rl.env.protocol import ToolCall
 
-    plan = autoinstall.discover(repo)
+    plan = buildfiles.discover(repo)
     installer = autoinstall._Installer(repo, "/nonexistent", autoinstall.AutoinstallConfig())
     commands = installer.install_commands(plan)
     recipe = {
@@ -218,7 +218,7 @@ def test_agent_mode_is_checked_and_falls_back_to_heuristics(tmp_path):
     agent = scripted_agent(chat, oracle_turns(repo))
     result = autoinstall.agent_install(repo, str(tmp_path / "agent"), agent, chat)
     assert result.ok and result.recipe.mode == "agent", result.log[-3000:]
-    heuristic = autoinstall.discover(repo)
+    heuristic = buildfiles.discover(repo)
     assert result.recipe.test_command == heuristic.test_command  # agrees with the oracle
     assert "list_dir" in result.log and "mathx/" in result.log  # it went through the tools
     # A recipe whose test command does not work is rejected; the heuristic takes over.

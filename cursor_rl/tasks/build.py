@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
-from cursor_rl.tasks import generators, records, sources, splits, tiny, validation
+from cursor_rl.tasks import autoinstall, generators, records, sources, splits, tiny, validation
 from cursor_rl.tasks.generators.base import SourceRepo
 
 STATS_FILE = "stats.json"
@@ -318,11 +318,9 @@ def iter_repos(config: BuildConfig, failures: list[dict[str, Any]]) -> Iterator[
     elif config.source == "tiny":
         yield from tiny.tiny_repos(config.split, start=config.seed)
     else:
-        from cursor_rl.tasks import autoinstall  # only repositories need it
-
         workdir = os.path.join(config.out, "autoinstall")
         try:
-            yield autoinstall.repo_source(config.source, workdir)
+            yield sources.repo_source(config.source, workdir)
         except autoinstall.AutoinstallFailed as e:
             failures.append(
                 {
