@@ -81,32 +81,25 @@ def remove_function_body(repo: base.SourceRepo) -> list[base.Candidate]:
             call_sites = base.call_site_lines(
                 visible, site.name, exclude=(path, *base.line_span(site.node))
             )
-            kind = "method" if site.class_node is not None else "function"
+            prompt = prompts.feature_prompt(
+                kind="method" if site.class_node is not None else "function",
+                symbol=site.symbol,
+                file=path,
+                header=base.signature(text, site.node),
+                docstring=site.docstring,
+                call_sites=call_sites,
+                style=repo.prompt_style,
+            )
             candidates.append(
-                base.Candidate(
-                    generator="remove_function_body",
-                    category="feature",
-                    file=path,
-                    symbol=site.symbol,
-                    start_changes={path: broken.apply()},
-                    prompt=functools.partial(
-                        _feature_prompt,
-                        prompts.feature_prompt(
-                            kind=kind,
-                            symbol=site.symbol,
-                            file=path,
-                            header=base.signature(text, site.node),
-                            docstring=site.docstring,
-                            call_sites=call_sites,
-                            style=repo.prompt_style,
-                        ),
-                    ),
-                    features={
-                        "lines_removed": _nonblank(removed),
-                        "call_sites": base.count_references(visible, site.name),
-                        "has_docstring": int(site.docstring is not None),
-                    },
-                    description=f"remove body of {path}:{site.symbol}",
+                _candidate(
+                    "remove_function_body",
+                    path,
+                    site.symbol,
+                    broken.apply(),
+                    prompt,
+                    lines_removed=_nonblank(removed),
+                    call_sites=base.count_references(visible, site.name),
+                    has_docstring=site.docstring is not None,
                 )
             )
     return candidates
@@ -115,6 +108,33 @@ def remove_function_body(repo: base.SourceRepo) -> list[base.Candidate]:
 def _feature_prompt(text: str, failures) -> str:
     del failures  # a feature request does not depend on which tests fail
     return text
+
+
+def _candidate(
+    generator: str,
+    path: str,
+    symbol: str,
+    broken: str | None,
+    prompt: str,
+    *,
+    lines_removed: int,
+    call_sites: int,
+    has_docstring: bool,
+) -> base.Candidate:
+    return base.Candidate(
+        generator=generator,
+        category="feature",
+        file=path,
+        symbol=symbol,
+        start_changes={path: broken},
+        prompt=functools.partial(_feature_prompt, prompt),
+        features={
+            "lines_removed": lines_removed,
+            "call_sites": call_sites,
+            "has_docstring": int(has_docstring),
+        },
+        description=f"{generator} {path}:{symbol}",
+    )
 
 
 def _members(text: str, node: ast.ClassDef | ast.Module) -> list[tuple[str, str | None]]:
@@ -167,19 +187,15 @@ def remove_class(repo: base.SourceRepo) -> list[base.Candidate]:
                 members=members,
             )
             candidates.append(
-                base.Candidate(
-                    generator="remove_class",
-                    category="feature",
-                    file=path,
-                    symbol=node.name,
-                    start_changes={path: broken.apply()},
-                    prompt=functools.partial(_feature_prompt, prompt),
-                    features={
-                        "lines_removed": _nonblank(removed),
-                        "call_sites": base.count_references(visible, node.name),
-                        "has_docstring": int(ast.get_docstring(node) is not None),
-                    },
-                    description=f"remove class {path}:{node.name}",
+                _candidate(
+                    "remove_class",
+                    path,
+                    node.name,
+                    broken.apply(),
+                    prompt,
+                    lines_removed=_nonblank(removed),
+                    call_sites=base.count_references(visible, node.name),
+                    has_docstring=ast.get_docstring(node) is not None,
                 )
             )
     return candidates
@@ -219,19 +235,15 @@ def remove_module(repo: base.SourceRepo) -> list[base.Candidate]:
             members=members,
         )
         candidates.append(
-            base.Candidate(
-                generator="remove_module",
-                category="feature",
-                file=path,
-                symbol=dotted,
-                start_changes={path: None},
-                prompt=functools.partial(_feature_prompt, prompt),
-                features={
-                    "lines_removed": _nonblank(target.lines),
-                    "call_sites": len(importers),
-                    "has_docstring": int(ast.get_docstring(module) is not None),
-                },
-                description=f"remove module {path}",
+            _candidate(
+                "remove_module",
+                path,
+                dotted,
+                None,
+                prompt,
+                lines_removed=_nonblank(target.lines),
+                call_sites=len(importers),
+                has_docstring=ast.get_docstring(module) is not None,
             )
         )
     return candidates
