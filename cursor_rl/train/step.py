@@ -113,14 +113,20 @@ def init_state(variables: dict[str, Any], tx: optax.GradientTransformation) -> T
     )
 
 
-def token_losses(
-    config: ModelConfig, params, router, batch: Batch, z_loss: float, loss_chunk: int = 0
-):
-    """Per-batch sums: cross-entropy, z-loss, plus the model's aux outputs.
+def token_stats(
+    config: ModelConfig,
+    params,
+    router,
+    batch: Batch,
+    loss_chunk: int = 0,
+    with_entropy: bool = False,
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """Per-position statistics of the next-token distribution, and the model's aux outputs.
 
-    With ``loss_chunk`` the vocabulary projection runs over chunks of that many
-    positions, each recomputed in backward, so float32 [B, T, V] logits never exist
-    at once (vocabularies of 160K make them the largest activation).
+    Returns ``{"logp": log p(target) [B, T], "log_z": [B, T]}`` (+ ``"entropy"``), all
+    float32. With ``loss_chunk`` the vocabulary projection runs over chunks of that
+    many positions, each recomputed in backward, so float32 [B, T, V] logits never
+    exist at once (vocabularies of 160K make them the largest activation).
     """
     hidden, head, aux = model.hidden_with_aux(
         config,
@@ -129,29 +135,102 @@ def token_losses(
         batch["positions"],
         batch["segment_ids"],
     )
-    mask = batch["loss_mask"].astype(jnp.float32)
 
-    def sums(h, targets, m):
+    def stats(h, targets):
         logits = model.project_logits(h, head)
         log_z = jax.nn.logsumexp(logits, axis=-1)
         target_logit = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
-        return ((log_z - target_logit) * m).sum(), (jnp.square(log_z) * m).sum()
+        out = {"logp": target_logit - log_z, "log_z": log_z}
+        if with_entropy:
+            probs = jax.nn.softmax(logits, axis=-1)
+            out["entropy"] = log_z - jnp.sum(probs * logits, axis=-1)
+        return out
 
-    t = hidden.shape[1]
+    b, t = batch["targets"].shape
     if loss_chunk and t > loss_chunk and t % loss_chunk == 0:
         n = t // loss_chunk
 
         def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
-            return jnp.moveaxis(x.reshape(x.shape[0], n, loss_chunk, *x.shape[2:]), 1, 0)
+            return jnp.moveaxis(x.reshape(b, n, loss_chunk, *x.shape[2:]), 1, 0)
 
-        ce, zz = jax.lax.map(
-            jax.checkpoint(lambda a: sums(*a)),
-            (split(hidden), split(batch["targets"]), split(mask)),
+        out = jax.lax.map(
+            jax.checkpoint(lambda a: stats(*a)), (split(hidden), split(batch["targets"]))
         )
-        ce_sum, z_sum = ce.sum(), zz.sum()
+        out = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(b, t), out)
     else:
-        ce_sum, z_sum = sums(hidden, batch["targets"], mask)
-    return ce_sum, z_sum * z_loss, aux
+        out = stats(hidden, batch["targets"])
+    return out, aux
+
+
+def token_losses(
+    config: ModelConfig, params, router, batch: Batch, z_loss: float, loss_chunk: int = 0
+):
+    """Batch sums of masked cross-entropy and z-loss, plus the model's aux outputs."""
+    stats, aux = token_stats(config, params, router, batch, loss_chunk)
+    mask = batch["loss_mask"].astype(jnp.float32)
+    ce_sum = -(stats["logp"] * mask).sum()
+    z_sum = (jnp.square(stats["log_z"]) * mask).sum() * z_loss
+    return ce_sum, z_sum, aux
+
+
+def accumulate_gradients(loss_fn, params, batch: Batch, microbatches: int):
+    """Sums ``value_and_grad(loss_fn, has_aux=True)`` over micro-batches of ``batch``.
+
+    ``loss_fn(params, micro) -> (loss, aux)`` must return sums (or terms already
+    divided by whole-batch totals), so the sum over micro-batches is exact. The
+    aux pytree is summed too. One compiled body runs under ``lax.scan``.
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if microbatches == 1:
+        (loss, aux), grads = grad_fn(params, batch)
+        return loss, aux, grads
+    micro_batches = jax.tree.map(
+        lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:]), batch
+    )
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    shapes = jax.eval_shape(grad_fn, params, first)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def body(carry, micro):
+        return jax.tree.map(jnp.add, carry, grad_fn(params, micro)), None
+
+    ((loss, aux), grads), _ = jax.lax.scan(body, zeros, micro_batches)
+    return loss, aux, grads
+
+
+def apply_update(
+    state: TrainState,
+    grads,
+    loss: jax.Array,
+    expert_load: jax.Array,
+    *,
+    config: ModelConfig,
+    tx: optax.GradientTransformation,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """Optimizer update + router-bias update, skipped entirely if loss or grads are not finite."""
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    new_router = model.update_router(config, state.router, expert_load)
+
+    def keep_if_finite(new, old):
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    new_state = TrainState(
+        step=state.step + 1,
+        params=keep_if_finite(new_params, state.params),
+        router=keep_if_finite(new_router, state.router),
+        opt_state=keep_if_finite(new_opt_state, state.opt_state),
+        skipped=state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32),
+    )
+    metrics = {
+        "grad_norm": grad_norm,
+        "skipped_steps": new_state.skipped,
+        "update_skipped": jnp.logical_not(finite).astype(jnp.int32),
+    }
+    metrics.update(load_metrics(expert_load))
+    return new_state, metrics
 
 
 def train_step(
@@ -171,61 +250,22 @@ def train_step(
     def loss_fn(params, micro):
         ce_sum, z_sum, aux = token_losses(config, params, state.router, micro, z_loss, loss_chunk)
         loss = (ce_sum + z_sum) / num_tokens + aux["balance_loss"] / microbatches
-        return loss, (ce_sum, z_sum, aux)
+        return loss, (ce_sum, z_sum, aux["expert_load"], aux["balance_loss"] / microbatches)
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    if microbatches == 1:
-        (loss, (ce_sum, z_sum, aux)), grads = grad_fn(state.params, batch)
-        load, balance = aux["expert_load"], aux["balance_loss"]
-    else:
-        micro_batches = jax.tree.map(
-            lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:]), batch
-        )
-
-        def body(carry, micro):
-            (loss, (ce_sum, z_sum, aux)), grads = grad_fn(state.params, micro)
-            new = (loss, ce_sum, z_sum, aux["expert_load"], aux["balance_loss"], grads)
-            return jax.tree.map(jnp.add, carry, new), None
-
-        zeros = (
-            jnp.zeros(()),
-            jnp.zeros(()),
-            jnp.zeros(()),
-            jnp.zeros((config.num_moe_layers, config.n_routed_experts)),
-            jnp.zeros(()),
-            jax.tree.map(jnp.zeros_like, state.params),
-        )
-        (loss, ce_sum, z_sum, load, balance, grads), _ = jax.lax.scan(body, zeros, micro_batches)
-        balance = balance / microbatches
-
-    grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
-    new_router = model.update_router(config, state.router, load)
-
-    def keep_if_finite(new, old):
-        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-    new_state = TrainState(
-        step=state.step + 1,
-        params=keep_if_finite(new_params, state.params),
-        router=keep_if_finite(new_router, state.router),
-        opt_state=keep_if_finite(new_opt_state, state.opt_state),
-        skipped=state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32),
+    loss, (ce_sum, z_sum, load, balance), grads = accumulate_gradients(
+        loss_fn, state.params, batch, microbatches
     )
-    metrics = {
-        "loss": loss,
-        "ce_loss": ce_sum / num_tokens,
-        "z_loss": z_sum / num_tokens,
-        "balance_loss": balance,
-        "grad_norm": grad_norm,
-        "learning_rate": schedule(state.step),
-        "loss_tokens": num_tokens,
-        "skipped_steps": new_state.skipped,
-        "update_skipped": jnp.logical_not(finite).astype(jnp.int32),
-    }
-    metrics.update(load_metrics(load))
+    new_state, metrics = apply_update(state, grads, loss, load, config=config, tx=tx)
+    metrics.update(
+        {
+            "loss": loss,
+            "ce_loss": ce_sum / num_tokens,
+            "z_loss": z_sum / num_tokens,
+            "balance_loss": balance,
+            "learning_rate": schedule(state.step),
+            "loss_tokens": num_tokens,
+        }
+    )
     return new_state, metrics
 
 
