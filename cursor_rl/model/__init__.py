@@ -5,6 +5,7 @@ from cursor_rl.model.moe import update_router_bias
 from cursor_rl.model.transformer import (
     abstract_variables,
     forward,
+    forward_cached,
     forward_with_aux,
     hidden_with_aux,
     init,
@@ -20,6 +21,7 @@ __all__ = [
     "RopeScaling",
     "abstract_variables",
     "forward",
+    "forward_cached",
     "forward_with_aux",
     "hidden_with_aux",
     "init",

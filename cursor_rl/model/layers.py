@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cursor_rl.model.config import ModelConfig, yarn_mscale
+from cursor_rl.model.kv_cache import CachedStep, PagedCache, paged_attention
 
 Array = jax.Array
 
@@ -200,6 +201,28 @@ class MLA(nn.Module):
             out = _attention(c, q_nope, q_rope, k_nope, k_rope, v, segment_ids, jnp.arange(t))
         out = constrain(out, BTHK)
         return jnp.einsum("bthv,hvd->btd", out, self.o_proj)
+
+    def attend_cache(
+        self, x: Array, rope: Rope, pools: PagedCache, layer: Array, step: CachedStep
+    ) -> tuple[Array, PagedCache]:
+        """Attention of new tokens x [B, T, D] to their rows' paged cache, absorbed form.
+
+        The new tokens' latents are written first, so a token sees itself and the
+        tokens before it in its chunk. The key half of ``kv_b_proj`` is folded into
+        the query and the value half applied after the sum over cached latents
+        (DeepSeek-V2 appendix C): scores read C + R values per cached token.
+        """
+        c = self.config
+        q_nope, q_rope = self.queries(x, rope)
+        kv_latent, k_rope = self.latents(x, rope)
+        w_key = self.kv_b_proj[..., : c.qk_nope_head_dim]  # [C, H, Dn]
+        w_value = self.kv_b_proj[..., c.qk_nope_head_dim :]  # [C, H, Dv]
+        q_latent = jnp.einsum("bthd,chd->bthc", q_nope, w_key)
+        context, pools = paged_attention(
+            q_latent, q_rope, kv_latent, k_rope, pools, layer, step, c.softmax_scale
+        )
+        out = constrain(jnp.einsum("bthc,chv->bthv", context, w_value), BTHK)
+        return jnp.einsum("bthv,hvd->btd", out, self.o_proj), pools
 
 
 def _attention(c: ModelConfig, q_nope, q_rope, k_nope, k_rope, v, segment_ids, q_index):

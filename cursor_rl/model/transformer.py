@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from cursor_rl import partitioning
 from cursor_rl.model.config import ModelConfig
+from cursor_rl.model.kv_cache import CachedStep, PagedCache
 from cursor_rl.model.layers import BTE, MLA, MLP, RMSNorm, Rope, constrain, rope_tables
 from cursor_rl.model.moe import MoE, update_router_bias
 
@@ -48,10 +49,26 @@ class DecoderLayer(nn.Module):
     moe: bool
 
     @nn.compact
-    def __call__(self, x: Array, rope: Rope, segment_ids: Array | None, valid: Array):
+    def __call__(
+        self,
+        x: Array,
+        rope: Rope,
+        segment_ids: Array | None,
+        valid: Array,
+        cache: tuple[PagedCache, Array, CachedStep] | None = None,
+    ):
+        """Returns (x, aux); with ``cache`` (the stack's pools, this layer's index in
+        the stack, the step), attention goes through the paged cache and the second
+        output is the updated pools instead."""
         c = self.config
         h = RMSNorm(c.rms_norm_eps, c.jnp_param_dtype, name="input_norm")(x)
-        x = x + MLA(c, name="attn")(h, rope, segment_ids)
+        attn = MLA(c, name="attn")
+        if cache is None:
+            x = x + attn(h, rope, segment_ids)
+        else:
+            pools, layer, step = cache
+            attended, pools = attn.attend_cache(h, rope, pools, layer, step)
+            x = x + attended
         x = constrain(x, BTE)
         h = RMSNorm(c.rms_norm_eps, c.jnp_param_dtype, name="post_attn_norm")(x)
         if self.moe:
@@ -61,6 +78,8 @@ class DecoderLayer(nn.Module):
             load = jnp.zeros((max(c.n_routed_experts, 1),), jnp.float32)
             balance = jnp.zeros((), jnp.float32)
         x = constrain(x + y, BTE)
+        if cache is not None:
+            return x, pools
         return x, {"expert_load": load, "balance_loss": balance}
 
 
@@ -74,6 +93,22 @@ class _ScanBody(nn.Module):
     def __call__(self, x, rope, segment_ids, valid):
         layer_cls = _maybe_remat(DecoderLayer, self.config)
         return layer_cls(self.config, self.moe, name="layer")(x, rope, segment_ids, valid)
+
+
+class _CachedScanBody(nn.Module):
+    """DecoderLayer through the paged cache; the carry holds the stack's pools."""
+
+    config: ModelConfig
+    moe: bool
+
+    @nn.compact
+    def __call__(self, carry, rope, step):
+        x, pools, layer = carry
+        layer_cache = (pools, layer, step)
+        x, pools = DecoderLayer(self.config, self.moe, name="layer")(
+            x, rope, None, step.valid, layer_cache
+        )
+        return (x, pools, layer + 1), None
 
 
 def _maybe_remat(cls, config: ModelConfig):
@@ -106,6 +141,28 @@ class Transformer(nn.Module):
             outs.append(aux)
         return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
+    def _cached_stack(self, name: str, moe: bool, x, rope, pools: PagedCache, step):
+        c = self.config
+        count = pools.kv_latent.shape[0]
+        layer = jnp.zeros((), jnp.int32)
+        if c.scan_layers:
+            scanned = nn.scan(
+                _CachedScanBody,
+                variable_axes={"params": 0, "router": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast),
+                length=count,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            (x, pools, _), _ = scanned(c, moe, name=name)((x, pools, layer), rope, step)
+            return x, pools
+        for i in range(count):
+            layer_cache = (pools, layer + i, step)
+            x, pools = DecoderLayer(c, moe, name=f"{name}_{i}")(
+                x, rope, None, step.valid, layer_cache
+            )
+        return x, pools
+
     @nn.compact
     def __call__(
         self,
@@ -113,10 +170,16 @@ class Transformer(nn.Module):
         positions: Array | None = None,
         segment_ids: Array | None = None,
         return_hidden: bool = False,
+        cache: tuple[dict[str, PagedCache], CachedStep] | None = None,
     ):
+        """Logits [B, T, V] and aux; with ``cache`` (see ``forward_cached``), the
+        logits [B, V] at ``step.last`` and the updated pools."""
         c = self.config
         b, t = tokens.shape
-        if positions is None:
+        if cache is not None:
+            pools, step = cache
+            positions, segment_ids = step.positions, None
+        elif positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         # Segment id 0 marks padding: it attends only to itself and counts in no statistic.
         valid = jnp.ones((b, t), jnp.bool_) if segment_ids is None else segment_ids != 0
@@ -131,8 +194,18 @@ class Transformer(nn.Module):
         x = jnp.take(embedding, tokens, axis=0).astype(c.jnp_dtype)
         x = constrain(x, BTE)
         rope = rope_tables(c, positions)
-        x, _ = self._stack("dense_layers", False, c.first_k_dense, x, rope, segment_ids, valid)
-        x, moe_aux = self._stack("moe_layers", True, c.num_moe_layers, x, rope, segment_ids, valid)
+        if cache is None:
+            x, _ = self._stack("dense_layers", False, c.first_k_dense, x, rope, segment_ids, valid)
+            x, moe_aux = self._stack(
+                "moe_layers", True, c.num_moe_layers, x, rope, segment_ids, valid
+            )
+        else:
+            pools = dict(pools)
+            for name, moe in (("dense_layers", False), ("moe_layers", True)):
+                if name in pools:
+                    x, pools[name] = self._cached_stack(name, moe, x, rope, pools[name], step)
+            # Only the requested position of each row reaches the LM head.
+            x = jnp.take_along_axis(x, step.last[:, None, None], axis=1)[:, 0]
         x = RMSNorm(c.rms_norm_eps, c.jnp_param_dtype, name="final_norm")(x)
         if c.tie_word_embeddings:
             head = embedding.T
@@ -145,6 +218,8 @@ class Transformer(nn.Module):
                 (c.hidden_size, c.vocab_size),
                 c.jnp_param_dtype,
             )
+        if cache is not None:
+            return project_logits(x, head.astype(c.jnp_dtype)), pools
         if moe_aux is None:
             aux = {
                 "expert_load": jnp.zeros((0, c.n_routed_experts), jnp.float32),
@@ -248,6 +323,32 @@ def forward(
 ) -> Array:
     """Logits float32[B, T, V] for tokens [B, T] (positions and segment ids optional)."""
     return forward_with_aux(config, variables, tokens, positions, segment_ids)[0]
+
+
+def forward_cached(
+    config: ModelConfig,
+    variables: Variables,
+    tokens: Array,
+    cache: dict[str, PagedCache],
+    step: CachedStep,
+) -> tuple[Array, dict[str, PagedCache]]:
+    """Runs new tokens through the paged latent cache (prefill chunks and decode steps).
+
+    Each row's tokens sit at ``step.positions``; the positions before them must
+    already be in the row's pages (``step.page_table``), and the tokens themselves
+    are written there (where ``step.valid``) before attending. See ``kv_cache``.
+
+    Args:
+      config: model config.
+      variables: the model variables (scanned or unscanned layout, per config).
+      tokens: int32[B, T].
+      cache: the page pools per stack, as ``kv_cache.init_cache`` makes them.
+      step: positions, write mask, page table and the index of the logits to return.
+
+    Returns:
+      Logits float32[B, V] of the token at ``step.last`` in each row, and the pools.
+    """
+    return Transformer(config).apply(variables, tokens, cache=(cache, step))
 
 
 # ---- layouts ----------------------------------------------------------------------
