@@ -81,3 +81,12 @@ def get_config(arg=None):
     sft.train = dict(seq_len=1024, batch_size=4)
     sft.optimizer = dict(learning_rate=1e-3, warmup_steps=5)
     return c
+
+
+def get_sweep():
+    """Learning rates for `launch/xm_launch.py` (one work unit per dict of overrides):
+
+    .venv-xm/bin/python launch/xm_launch.py --config=configs/tiny.py:stage=pretrain \\
+        --workdir=/tmp/tiny_sweep
+    """
+    return [{"optimizer.learning_rate": lr} for lr in (3e-3, 1e-3)]

@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 PARAMS, TRAIN, DATA, METADATA = "params", "train", "data", "metadata"
 
@@ -219,7 +220,8 @@ def checkpoint_dir(workdir: str, stage: str) -> str:
 
 def latest_checkpoint(directory: str) -> str | None:
     """Path of the newest finalised checkpoint step under ``directory``, or None."""
-    if not os.path.isdir(directory):
+    # epath, not os.path: checkpoint directories may be on gs:// (Orbax reads them the same way).
+    if not epath.Path(directory).is_dir():
         return None
     manager = ocp.CheckpointManager(
         directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False)
@@ -231,7 +233,7 @@ def latest_checkpoint(directory: str) -> str | None:
 
 def _step_path(path: str) -> str:
     """Accepts a step directory or a checkpoints directory (-> its latest step)."""
-    if os.path.isdir(os.path.join(path, PARAMS)):
+    if (epath.Path(path) / PARAMS).is_dir():
         return path
     latest = latest_checkpoint(path)
     if latest is None:
@@ -242,15 +244,14 @@ def _step_path(path: str) -> str:
 def read_metadata(path: str) -> dict[str, Any]:
     """The metadata of a checkpoint (step directory or checkpoints directory)."""
     step_path = _step_path(path)
-    file = os.path.join(step_path, METADATA, "metadata")
-    if not os.path.exists(file):
-        candidates = [f for f in os.listdir(os.path.join(step_path, METADATA))]
+    file = epath.Path(step_path) / METADATA / "metadata"
+    if not file.exists():
+        candidates = sorted((epath.Path(step_path) / METADATA).iterdir())
         if not candidates:
             raise CheckpointError(f"{step_path} has no metadata")
-        file = os.path.join(step_path, METADATA, candidates[0])
+        file = candidates[0]
     try:
-        with open(file, encoding="utf-8") as fh:
-            return json.load(fh)
+        return json.loads(file.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"unreadable checkpoint metadata {file}: {e}") from e
 

@@ -30,8 +30,9 @@ def main(argv):
     import jax
 
     if _MULTIHOST.value:
-        if jax.default_backend() == "cpu" or _COORDINATOR.value:
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # Asking for the backend here would initialise it, which initialize() forbids.
+        # gloo only affects the CPU client, so it is harmless on TPU and GPU.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
             coordinator_address=_COORDINATOR.value,
             num_processes=_NUM_PROCESSES.value,

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from etils import epath
 from jax.experimental import multihost_utils
 
 from cursor_rl import checkpoints, config_lib, model, partitioning
@@ -135,23 +136,32 @@ def ensure_tokenizer(cfg: ml_collections.ConfigDict, workdir: str) -> Tokenizer:
 
     Process 0 trains and saves; the others wait for it and load the same file.
     """
-    directory = tokenizer_dir(workdir)
+    # epath rather than os/Tokenizer.save: the workdir may be on gs://.
+    file = epath.Path(tokenizer_dir(workdir)) / "tokenizer.json"
     if cfg.tokenizer.path:
         tokenizer = Tokenizer.load(cfg.tokenizer.path)
-        if jax.process_index() == 0 and not os.path.exists(directory):
-            tokenizer.save(directory)
+        if jax.process_index() == 0 and not file.exists():
+            _save_tokenizer(tokenizer, file)
         return tokenizer
-    if jax.process_index() == 0 and not os.path.exists(os.path.join(directory, "tokenizer.json")):
+    if jax.process_index() == 0 and not file.exists():
         data_config = data_config_of(cfg)
         start = time.time()
         tokenizer = pipeline.train_tokenizer(data_config, cfg.tokenizer.vocab_size, seed=cfg.seed)
-        tokenizer.save(directory)
+        _save_tokenizer(tokenizer, file)
         log.info(
             "trained tokenizer (%d tokens) in %.1fs", tokenizer.vocab_size, time.time() - start
         )
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("tokenizer")
-    return Tokenizer.load(directory)
+    return Tokenizer.from_json(file.read_text(encoding="utf-8"))
+
+
+def _save_tokenizer(tokenizer: Tokenizer, file: epath.Path) -> None:
+    """Writes then renames, so a reader never sees half a file."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.parent / (file.name + ".tmp")
+    tmp.write_text(tokenizer.to_json(), encoding="utf-8")
+    tmp.replace(file)
 
 
 def data_config_of(cfg: ml_collections.ConfigDict) -> pipeline.DataConfig:
@@ -443,10 +453,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[StageResult]:
     stages = config_lib.STAGES if config.stage == "all" else (config.stage,)
     if config.stage not in config_lib.PIPELINE_STAGES:
         raise ValueError(f"stage={config.stage!r} is not one of {config_lib.PIPELINE_STAGES}")
-    os.makedirs(workdir, exist_ok=True)
+    root = epath.Path(workdir)  # a local directory or gs://
+    root.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
-        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as fh:
-            fh.write(config.to_json_best_effort(indent=2))
+        (root / "config.json").write_text(config.to_json_best_effort(indent=2), encoding="utf-8")
     return [run_stage(config, stage, workdir) for stage in stages]
 
 

@@ -15,6 +15,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from etils import epath
+
 
 def _plain(value: Any) -> Any:
     """JSON-friendly scalar (numpy/jax scalars -> float/int; NaN/inf -> null)."""
@@ -31,18 +33,28 @@ class MetricsWriter:
     def __init__(self, workdir: str, *, enabled: bool = True):
         self.enabled = enabled
         self._tb = None
-        self._path = os.path.join(workdir, "metrics.jsonl")
-        self._tb_dir = os.path.join(workdir, "tensorboard")
+        self._path = epath.Path(workdir) / "metrics.jsonl"
+        self._tb_dir = os.path.join(workdir, "tensorboard")  # tensorboardX writes gs:// itself
+        # Object stores (gs://) cannot append: there the file is rewritten whole.
+        self._rewrite: list[str] | None = None
         if enabled:
-            os.makedirs(workdir, exist_ok=True)
+            epath.Path(workdir).mkdir(parents=True, exist_ok=True)
+            if "://" in os.fspath(workdir):
+                old = self._path.read_text(encoding="utf-8") if self._path.exists() else ""
+                self._rewrite = old.splitlines(keepends=True)
 
     def write(self, stage: str, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         row = {"stage": stage, "step": int(step), "time": time.time()}
         row.update({k: _plain(v) for k, v in metrics.items()})
         if not self.enabled:
             return row
-        with open(self._path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(row) + "\n")
+        line = json.dumps(row) + "\n"
+        if self._rewrite is None:
+            with self._path.open("a", encoding="utf-8") as fh:
+                fh.write(line)
+        else:
+            self._rewrite.append(line)
+            self._path.write_text("".join(self._rewrite), encoding="utf-8")
         if self._tb is None:
             from tensorboardX import SummaryWriter
 
@@ -60,11 +72,11 @@ class MetricsWriter:
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
     """All rows of ``WORKDIR/metrics.jsonl`` (skipping a torn last line)."""
-    path = os.path.join(workdir, "metrics.jsonl")
+    path = epath.Path(workdir) / "metrics.jsonl"
     rows = []
-    if not os.path.exists(path):
+    if not path.exists():
         return rows
-    with open(path, encoding="utf-8") as fh:
+    with path.open(encoding="utf-8") as fh:
         for line in fh:
             try:
                 rows.append(json.loads(line))
