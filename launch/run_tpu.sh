@@ -13,6 +13,7 @@
 #   NUM_SLICES [1]  > 1 makes `create` a queued resource with that many slices, and `copy`/`run`
 #                   address all of them (set --config.mesh.dcn.data=NUM_SLICES in MAIN_FLAGS)
 #   SPOT=1          spot capacity
+#   REMOTE_PYTHON [python3]  the workers' interpreter for their venv (Python >= 3.11)
 #   TOPOLOGY        e.g. v5p:2x2x1: `run` first compiles the config for it on this machine
 #                   (launch/presubmit.py, needs libtpu: AOT_PYTHON [.venv-tpu/bin/python])
 #                   and refuses to start a job that does not fit in HBM
@@ -31,6 +32,8 @@ ZONE="${ZONE:-europe-west4-b}"
 ACCELERATOR="${ACCELERATOR:-v5p-8}"
 RUNTIME="${RUNTIME:-v2-alpha-tpuv5}"
 NUM_SLICES="${NUM_SLICES:-1}"
+# The interpreter the workers build their venv with (cursor_rl needs Python >= 3.11).
+REMOTE_PYTHON="${REMOTE_PYTHON:-python3}"
 # Where the code lives on each worker (relative to the login user's home).
 REMOTE_DIR="cursor_rl"
 
@@ -109,7 +112,8 @@ cmd_run() {
   local quoted
   quoted="$(printf '%q ' "$@")"
   # Every worker runs the same command; the first start installs the venv (idempotent).
-  tpu_ssh "$name" "cd ~/$REMOTE_DIR && bash launch/run_tpu.sh worker -- $quoted"
+  tpu_ssh "$name" "cd ~/$REMOTE_DIR && PYTHON=$(printf '%q' "$REMOTE_PYTHON") \
+bash launch/run_tpu.sh worker -- $quoted"
 }
 
 cmd_delete() {
