@@ -114,3 +114,24 @@ def test_rule_overrides_and_presets():
         partitioning.make_rules("default", {"embedd": None})
     with pytest.raises(ValueError, match="rules_preset"):
         partitioning.rules_preset("nope")
+
+
+@needs_8
+def test_expert_capacity_bounds_buffers_and_counts_drops(reference):
+    variables, tokens, _, _, _ = reference
+    mesh = partitioning.make_mesh({"expert": 4, "data": 2})
+
+    def run(factor):
+        config = CONFIG.replace(moe_capacity_factor=factor)
+        with partitioning.use_mesh(mesh):
+            fn = jax.jit(lambda v, t: model.forward_with_aux(config, v, t))
+            return fn(variables, tokens)
+
+    dropless_logits, dropless_aux = run(0.0)
+    roomy_logits, roomy_aux = run(4.0)  # 4 = expert shards: the worst case fits
+    tight_logits, tight_aux = run(0.25)
+    assert float(dropless_aux["dropped"].sum()) == 0.0
+    assert float(roomy_aux["dropped"].sum()) == 0.0
+    np.testing.assert_allclose(roomy_logits, dropless_logits, atol=1e-6)
+    assert float(tight_aux["dropped"].sum()) > 0
+    assert not np.allclose(tight_logits, dropless_logits)

@@ -73,6 +73,9 @@ class ModelConfig:
     # token (reference); "auto": ragged on accelerators, blocked on CPU.
     moe_impl: str = "auto"
     moe_block_size: int = 128
+    # Expert-parallel send buffers: 0 = worst case (dropless); c > 0 = c x the
+    # balanced share per peer, dropping overflow (see moe.py).
+    moe_capacity_factor: float = 0.0
     # "dot": scores materialised [B, H, T, T] (fastest for short rows); "chunked":
     # query chunks of attention_chunk_size, recomputed in backward (long rows).
     attention_impl: str = "dot"
@@ -181,6 +184,7 @@ class ModelConfig:
         need(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
         need(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
         need(self.moe_block_size > 0, "moe_block_size", "must be > 0")
+        need(self.moe_capacity_factor >= 0, "moe_capacity_factor", "must be >= 0")
         need(self.attention_impl in ATTENTION_IMPLS, "attention_impl", f"one of {ATTENTION_IMPLS}")
         need(self.attention_chunk_size > 0, "attention_chunk_size", "must be > 0")
         need(self.remat_policy in REMAT_POLICIES, "remat_policy", f"one of {REMAT_POLICIES}")

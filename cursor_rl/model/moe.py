@@ -13,8 +13,15 @@ Steps, each in its own ``jax.named_scope`` so profiles read like this list:
    fixed-size row blocks with a batched matmul, which XLA:CPU runs faster).
 4. ``unpermute``: the inverse, then the weighted sum over each token's k slots.
 
-Nothing is dropped: buffers are sized for the worst case, so results equal the
-dense reference (every expert on every token) up to float rounding.
+Nothing is dropped by default: buffers are sized for the worst case, so results
+equal the dense reference (every expert on every token) up to float rounding.
+With expert parallelism the worst case is every assignment landing on one device,
+a buffer ``expert_shards`` times the local assignments — too much at pod scale
+(384 experts over 64 devices). ``moe_capacity_factor > 0`` bounds each device's
+send buffer per peer to ``factor x`` the balanced share; assignments past it are
+dropped (their combine weight lost, the token keeps its other experts and the
+shared expert) and counted in ``dropped_fraction``. Aux-loss-free balancing keeps
+loads near the mean, so a factor of ~2 drops almost nothing.
 
 Balance: ``update_router_bias`` is the aux-loss-free sign rule (DeepSeek-V3
 sec. 2.1.2) that the trainer applies after each optimizer step with the load this
@@ -178,13 +185,17 @@ def _dispatch_local(
     expert_axis: str | None,
     expert_shards: int,
     tensor_axis: str | None,
-) -> Array:
-    """Routed-expert output for this device's tokens x [N, D] (dropless).
+    capacity_factor: float = 0.0,
+    token_axes: tuple[str, ...] = (),
+) -> tuple[Array, Array]:
+    """Routed-expert output for this device's tokens x [N, D], and assignments dropped.
 
     ``wg/wu/wd`` hold this device's experts ([E/expert_shards, ...]) and, under
     tensor parallelism, its slice of the expert hidden size; partial sums over
-    that slice are reduced over ``tensor_axis`` at the end.
+    that slice are reduced over ``tensor_axis`` at the end. The dropped count is
+    summed over ``token_axes`` (0 unless ``capacity_factor`` bounds the buffers).
     """
+    dropped = jnp.zeros((), jnp.float32)
     n, k = topk_idx.shape
     num_assign = n * k
     ffn = _expert_ffn(impl, block)
@@ -199,16 +210,21 @@ def _dispatch_local(
             out_sorted = ffn(rows, group_sizes, wg, wu, wd)
     else:
         local_experts = num_experts // expert_shards
+        capacity = num_assign
+        if capacity_factor > 0:
+            capacity = min(num_assign, -(-int(capacity_factor * num_assign) // expert_shards))
         with jax.named_scope("permute"):
             # Row slot on the destination: assignments for device s are contiguous
-            # in sorted order; a buffer of num_assign rows per peer never overflows.
+            # in sorted order. With capacity = num_assign nothing can overflow;
+            # a smaller capacity drops the slots past it (scatter mode "drop").
             dest = sorted_expert // local_experts
             per_dest = jnp.zeros((expert_shards,), jnp.int32).at[dest].add(1)
             slot = jnp.arange(num_assign) - (jnp.cumsum(per_dest) - per_dest)[dest]
-            send_x = jnp.zeros((expert_shards, num_assign, x.shape[-1]), x.dtype)
-            send_x = send_x.at[dest, slot].set(rows)
-            send_e = jnp.full((expert_shards, num_assign), local_experts, jnp.int32)
-            send_e = send_e.at[dest, slot].set(sorted_expert - dest * local_experts)
+            send_x = jnp.zeros((expert_shards, capacity, x.shape[-1]), x.dtype)
+            send_x = send_x.at[dest, slot].set(rows, mode="drop")
+            send_e = jnp.full((expert_shards, capacity), local_experts, jnp.int32)
+            send_e = send_e.at[dest, slot].set(sorted_expert - dest * local_experts, mode="drop")
+            dropped = (slot >= capacity).sum().astype(jnp.float32)
             recv_x = jax.lax.all_to_all(send_x, expert_axis, 0, 0, tiled=False)
             recv_e = jax.lax.all_to_all(send_e, expert_axis, 0, 0, tiled=False)
             recv_e = recv_e.reshape(-1)  # padding rows carry id local_experts
@@ -220,16 +236,18 @@ def _dispatch_local(
             out_rows = ffn(recv_rows, group_sizes, wg, wu, wd)
         with jax.named_scope("unpermute"):
             back = jnp.zeros_like(out_rows).at[order2].set(out_rows)
-            back = back.reshape(expert_shards, num_assign, -1)
+            back = back.reshape(expert_shards, capacity, -1)
             back = jax.lax.all_to_all(back, expert_axis, 0, 0, tiled=False)
-            out_sorted = back[dest, slot]
+            out_sorted = back.at[dest, slot].get(mode="fill", fill_value=0)
     with jax.named_scope("unpermute"):
         out = jnp.zeros((num_assign, out_sorted.shape[-1]), out_sorted.dtype)
         out = out.at[order].set(out_sorted).reshape(n, k, -1)
         y = jnp.einsum("nkd,nk->nd", out, topk_weight.astype(out.dtype))
         if tensor_axis is not None:
             y = jax.lax.psum(y, tensor_axis)
-    return y
+    if token_axes:
+        dropped = jax.lax.psum(dropped, token_axes)
+    return y, dropped
 
 
 def _dense_reference(x: Array, topk_idx: Array, topk_weight: Array, wg, wu, wd) -> Array:
@@ -250,11 +268,12 @@ def resolve_impl(impl: str) -> str:
 
 def routed_experts(
     config: ModelConfig, x: Array, topk_idx: Array, topk_weight: Array, wg, wu, wd
-) -> Array:
-    """Routed-expert output for tokens x [N, D], on whatever mesh is current."""
+) -> tuple[Array, Array]:
+    """Routed-expert output for tokens x [N, D] on whatever mesh is current, and the
+    number of (token, expert) assignments dropped for capacity (0 when dropless)."""
     impl = resolve_impl(config.moe_impl)
     if impl == "dense":
-        return _dense_reference(x, topk_idx, topk_weight, wg, wu, wd)
+        return _dense_reference(x, topk_idx, topk_weight, wg, wu, wd), jnp.zeros(())
     mesh = jax.sharding.get_abstract_mesh()
     kwargs = dict(num_experts=config.n_routed_experts, impl=impl, block=config.moe_block_size)
     if mesh.empty:
@@ -290,15 +309,17 @@ def routed_experts(
         expert_axis=expert_axis,
         expert_shards=expert_shards,
         tensor_axis=tensor_axis,
+        capacity_factor=config.moe_capacity_factor,
+        token_axes=token_axes,
         **kwargs,
     )
-    y = jax.shard_map(
+    y, dropped = jax.shard_map(
         fn,
         in_specs=(tok, tok, tok, w_in, w_in, w_out),
-        out_specs=tok,
+        out_specs=(tok, P()),
         check_vma=False,
     )(x, topk_idx, topk_weight, wg, wu, wd)
-    return y[:n]
+    return y[:n], dropped
 
 
 def _present(mesh, axes) -> tuple[str, ...]:
@@ -311,7 +332,11 @@ def _present(mesh, axes) -> tuple[str, ...]:
 
 
 class MoE(nn.Module):
-    """Routed experts plus shared experts. Returns (y, expert_load [E], balance_loss)."""
+    """Routed experts plus shared experts.
+
+    Returns y and aux: ``expert_load`` [E], ``balance_loss`` and ``dropped`` (the
+    assignments dropped for capacity).
+    """
 
     config: ModelConfig
 
@@ -346,7 +371,8 @@ class MoE(nn.Module):
                 )
             else:
                 balance = jnp.zeros((), jnp.float32)
-        y = routed_experts(c, tokens, topk_idx, topk_weight, wg, wu, wd).reshape(b, t, d)
+        y, dropped = routed_experts(c, tokens, topk_idx, topk_weight, wg, wu, wd)
+        y = y.reshape(b, t, d)
         if c.n_shared_experts:
             y = y + MLP(c, f * c.n_shared_experts, name="shared")(x)
-        return y, load, balance
+        return y, {"expert_load": load, "balance_loss": balance, "dropped": dropped}

@@ -72,15 +72,18 @@ class DecoderLayer(nn.Module):
         x = constrain(x, BTE)
         h = RMSNorm(c.rms_norm_eps, c.jnp_param_dtype, name="post_attn_norm")(x)
         if self.moe:
-            y, load, balance = MoE(c, name="moe")(h, valid)
+            y, aux = MoE(c, name="moe")(h, valid)
         else:
             y = MLP(c, c.intermediate_size, name="mlp")(h)
-            load = jnp.zeros((max(c.n_routed_experts, 1),), jnp.float32)
-            balance = jnp.zeros((), jnp.float32)
+            aux = {
+                "expert_load": jnp.zeros((max(c.n_routed_experts, 1),), jnp.float32),
+                "balance_loss": jnp.zeros((), jnp.float32),
+                "dropped": jnp.zeros((), jnp.float32),
+            }
         x = constrain(x + y, BTE)
         if cache is not None:
             return x, pools
-        return x, {"expert_load": load, "balance_loss": balance}
+        return x, aux
 
 
 class _ScanBody(nn.Module):
@@ -224,11 +227,13 @@ class Transformer(nn.Module):
             aux = {
                 "expert_load": jnp.zeros((0, c.n_routed_experts), jnp.float32),
                 "balance_loss": jnp.zeros((), jnp.float32),
+                "dropped": jnp.zeros((0,), jnp.float32),
             }
         else:
             aux = {
                 "expert_load": moe_aux["expert_load"],  # [L_moe, E]
                 "balance_loss": moe_aux["balance_loss"].sum() * c.aux_loss_coef,
+                "dropped": moe_aux["dropped"],  # [L_moe] assignments dropped for capacity
             }
         if return_hidden:
             return x, head.astype(c.jnp_dtype), aux
@@ -293,8 +298,9 @@ def forward_with_aux(
 ) -> tuple[Array, dict[str, Array]]:
     """Logits float32[B, T, V] and aux outputs.
 
-    Aux: ``expert_load`` [L_moe, E] (assignments per expert, padding excluded) and
-    ``balance_loss`` (the sequence-wise balance loss times ``aux_loss_coef``).
+    Aux: ``expert_load`` [L_moe, E] (assignments per expert, padding excluded),
+    ``balance_loss`` (the sequence-wise balance loss times ``aux_loss_coef``) and
+    ``dropped`` [L_moe] (assignments dropped for expert capacity; 0 when dropless).
     """
     return Transformer(config).apply(variables, tokens, positions, segment_ids)
 

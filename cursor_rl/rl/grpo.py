@@ -202,12 +202,14 @@ def grpo_step(
         diagnostics["entropy"] = (
             jax.lax.stop_gradient(stats["entropy"]) * micro["token_weight"]
         ).sum()
-        return loss, (diagnostics, aux["expert_load"])
+        return loss, (diagnostics, (aux["expert_load"], aux["dropped"]))
 
-    loss, (diagnostics, load), grads = step_lib.accumulate_gradients(
+    loss, (diagnostics, (load, dropped)), grads = step_lib.accumulate_gradients(
         loss_fn, state.params, dict(batch), microbatches
     )
-    new_state, metrics = step_lib.apply_update(state, grads, loss, load, config=config, tx=tx)
+    new_state, metrics = step_lib.apply_update(
+        state, grads, loss, load, config=config, tx=tx, moe_dropped=dropped
+    )
     metrics.update(diagnostics)
     metrics["ratio_std"] = jnp.sqrt(
         jnp.maximum(diagnostics["ratio_sq_mean"] - jnp.square(diagnostics["ratio_mean"]), 0.0)

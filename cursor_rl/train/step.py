@@ -206,8 +206,13 @@ def apply_update(
     *,
     config: ModelConfig,
     tx: optax.GradientTransformation,
+    moe_dropped: jax.Array | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """Optimizer update + router-bias update, skipped entirely if loss or grads are not finite."""
+    """Optimizer update + router-bias update, skipped entirely if loss or grads are not finite.
+
+    ``moe_dropped`` [L_moe] (assignments dropped for expert capacity) is reported as
+    a fraction of all assignments.
+    """
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
@@ -230,6 +235,8 @@ def apply_update(
         "update_skipped": jnp.logical_not(finite).astype(jnp.int32),
     }
     metrics.update(load_metrics(expert_load))
+    if moe_dropped is not None and expert_load.size:
+        metrics["moe_dropped_fraction"] = moe_dropped.sum() / jnp.maximum(expert_load.sum(), 1.0)
     return new_state, metrics
 
 
@@ -250,12 +257,15 @@ def train_step(
     def loss_fn(params, micro):
         ce_sum, z_sum, aux = token_losses(config, params, state.router, micro, z_loss, loss_chunk)
         loss = (ce_sum + z_sum) / num_tokens + aux["balance_loss"] / microbatches
-        return loss, (ce_sum, z_sum, aux["expert_load"], aux["balance_loss"] / microbatches)
+        moe = (aux["expert_load"], aux["dropped"])
+        return loss, (ce_sum, z_sum, moe, aux["balance_loss"] / microbatches)
 
-    loss, (ce_sum, z_sum, load, balance), grads = accumulate_gradients(
+    loss, (ce_sum, z_sum, (load, dropped), balance), grads = accumulate_gradients(
         loss_fn, state.params, batch, microbatches
     )
-    new_state, metrics = apply_update(state, grads, loss, load, config=config, tx=tx)
+    new_state, metrics = apply_update(
+        state, grads, loss, load, config=config, tx=tx, moe_dropped=dropped
+    )
     metrics.update(
         {
             "loss": loss,
