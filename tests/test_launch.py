@@ -268,3 +268,54 @@ def test_gpu_xla_flags_are_known_to_this_xla():
         text=True,
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# ---- gs:// workdirs --------------------------------------------------------------
+
+
+def test_trainer_files_in_a_gs_workdir_go_through_epath_without_appends(tmp_path, monkeypatch):
+    """Metrics and tokenizer on gs:// (mapped onto tmp_path): object stores cannot append."""
+    import tensorboardX
+    from etils.epath import testing as epath_testing
+
+    from cursor_rl.train import loop, metrics
+    from tests.train_helpers import micro_config
+
+    modes = []
+
+    def local(path):
+        return os.fspath(path).replace("gs://bucket", str(tmp_path))
+
+    def redirected(name):
+        def call(original, path, *args, **kwargs):
+            if name == "open":
+                modes.append(args[0] if args else kwargs.get("mode", "r"))
+            if name in ("replace", "rename"):  # (src, dst): both are paths
+                args = (local(args[0]), *args[1:])
+            return original(local(path), *args, **kwargs)
+
+        return call
+
+    names = ("open", "exists", "isdir", "makedirs", "mkdir", "listdir", "replace", "rename")
+    # TensorBoard event files go to GCS through tensorboardX's own writer: not under test.
+    monkeypatch.setattr(tensorboardX, "SummaryWriter", lambda *a, **k: _NullSummaryWriter())
+    with epath_testing.mock_epath(**{name: redirected(name) for name in names}):
+        writer = metrics.MetricsWriter("gs://bucket/run")
+        writer.write("pretrain", 1, {"loss": 2.0})
+        writer.write("pretrain", 2, {"loss": 1.5})
+        resumed = metrics.MetricsWriter("gs://bucket/run")  # a restarted job keeps the rows
+        resumed.write("pretrain", 3, {"loss": 1.0})
+        assert [r["step"] for r in metrics.read_metrics("gs://bucket/run")] == [1, 2, 3]
+        tokenizer = loop.ensure_tokenizer(micro_config(), "gs://bucket/run")
+    assert "a" not in "".join(modes)
+    saved = tmp_path / "run" / "tokenizer" / "tokenizer.json"
+    assert saved.read_text(encoding="utf-8") == tokenizer.to_json()
+    assert not os.path.exists("gs:"), "nothing may land in a local directory named gs:"
+
+
+class _NullSummaryWriter:
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
