@@ -5,7 +5,7 @@
         --decontaminate_against=/data/tasks/train --decontaminate_corpus=stdlib
     python -m cursor_rl.tasks.build --source=tiny --split=train --count=2000 --out=/data/tiny/train
     python -m cursor_rl.tasks.build --source=tiny --split=bench --count=200 --out=/data/tiny/bench \
-        --decontaminate_against=/data/tiny/train
+        --decontaminate_against=/data/tiny/train --decontaminate_threshold=0.99
     python -m cursor_rl.tasks.build --source=/src/myrepo --split=train --out=/data/myrepo
     python -m cursor_rl.tasks.build --source=sdist:attrs==23.2.0 --out=/data/attrs
 
@@ -71,8 +71,9 @@ class BuildConfig:
       snapshot: ``archive`` (inline) or ``dir`` (``repos/<task_id>/`` beside the JSONL).
       decontaminate_against: a training dataset; tasks whose solution overlaps its
         tasks by more than ``decontaminate_threshold`` are dropped (reason
-        ``contaminated``). For benchmark builds of the tiny family, whose splits
-        share templates.
+        ``contaminated``). For the tiny family, whose splits share templates (and so
+        docstring and code n-grams), use a threshold near 1: only a solution that
+        occurs whole in the training tasks is dropped.
       decontaminate_corpus: pretraining corpus specs (``stdlib``, ``files:...``) whose
         documents count as training data for the same check.
       decontaminate_threshold: see above (n-gram overlap, ``cursor_rl.tasks.contamination``).

@@ -18,8 +18,9 @@ form. Here the benchmark is built from *different code* than the training tasks:
    from ``TINY_TRAIN_SEEDS`` and benchmark modules from ``TINY_BENCH_SEEDS``.
    Both draw from the same function templates (a tiny model could not otherwise
    transfer) but with independently drawn names, constants and module mixes, and
-   the build drops a benchmark task whose solution also occurs in the training
-   tasks, so equal seeds are never the only thing keeping the split apart.
+   the benchmark build (``--decontaminate_against=TRAIN
+   --decontaminate_threshold=0.99``) drops a task whose solution occurs whole in the
+   training tasks, so disjoint seeds are not the only thing keeping the split apart.
 3. **Other repositories** (a local path, a PyPI sdist) are one split as a whole:
    the build is told which with ``--split``; a repository is never divided between
    train and bench, since files of one project share idioms and helpers.
