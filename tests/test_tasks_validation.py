@@ -54,6 +54,7 @@ def test_flaky_tests_are_dropped_from_the_baseline_and_candidates():
         [
             {"a": P, "b": P, "c": P, "flaky": P},  # baseline run 1
             {"a": P, "b": P, "c": P, "flaky": F},  # baseline run 2
+            {"a": F, "b": F, "c": F},  # sensitivity probe: the tests notice missing code
             {"a": F, "b": F, "c": P},  # start run 1
             {"a": F, "b": P, "c": P},  # start run 2: b is flaky on the start state
         ]
@@ -75,17 +76,24 @@ def test_flaky_tests_are_dropped_from_the_baseline_and_candidates():
     ],
 )
 def test_rejections_are_named(start_runs, reason):
-    v = ScriptedValidator([{"a": P, "b": P}, {"a": P, "b": P}, *start_runs])
+    v = ScriptedValidator([{"a": P, "b": P}, {"a": P, "b": P}, {"a": F, "b": P}, *start_runs])
     assert v.baseline() is None
     outcome = v.validate(_candidate())
     assert isinstance(outcome, validation.Rejection) and outcome.reason == reason
     assert outcome.reason in validation.REJECTION_REASONS
-    assert v.calls == 2 + len(start_runs)
+    assert v.calls == 3 + len(start_runs)
 
 
 def test_baseline_without_passing_tests_is_rejected():
     v = ScriptedValidator([{"a": F}, {"a": F}])
     assert v.baseline().reason == "baseline_no_passing_tests"
+
+
+def test_tests_that_ignore_the_code_reject_the_repository():
+    # e.g. `random`: imported at interpreter start-up, so tests never see the copy.
+    v = ScriptedValidator([{"a": P}, {"a": P}, {"a": P}])
+    assert v.baseline().reason == "tests_ignore_code"
+    assert v.stable == []
 
 
 @needs_sandbox

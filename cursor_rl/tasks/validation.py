@@ -9,7 +9,9 @@ For one repository (``RepoValidator``):
 
 1. **Baseline.** Collect the hidden tests' ids, run them all ``runs`` times on the
    original repository; tests that pass every time are the *stable* set. A test that
-   passes only sometimes is flaky and dropped everywhere.
+   passes only sometimes is flaky and dropped everywhere. Then a sensitivity probe:
+   with the code files made unimportable at least one stable test must fail, or the
+   tests are exercising some other copy of the code and the repository is rejected.
 2. **Candidate.** The reference solution (the original, or a refactor's result)
    must pass the selected tests; for refactors it is run ``runs`` times with the new
    hidden tests and no originally passing test may fail on it. Then the starting
@@ -42,6 +44,7 @@ from cursor_rl.tasks.generators.base import Candidate, SourceRepo
 REJECTION_REASONS = (
     "baseline_collect_failed",  # the hidden tests could not be listed
     "baseline_no_passing_tests",  # nothing passes on the original
+    "tests_ignore_code",  # the tests pass with the code removed (they test another copy)
     "no_fail_to_pass",  # the change breaks no stable test
     "no_pass_to_pass",  # the change breaks every stable test
     "flaky",  # FAIL_TO_PASS did not survive the second run
@@ -75,6 +78,7 @@ for name in {modules}:
 print("COLLECTED " + json.dumps({{"ids": ids, "errors": errors + loader.errors}}))
 """
 
+_PROBE_SOURCE = 'raise ImportError("cursor_rl validation: sensitivity probe")\n'
 _COLLECT_PYTEST = """
 import sys
 sys.path[:0] = {paths}
@@ -283,9 +287,22 @@ class RepoValidator:
             self.config.test_timeout_s,
             max(self.config.min_timeout_s, self.config.timeout_factor * slowest),
         )
-        self.baseline_seconds = time.monotonic() - start
         if not self.stable:
+            self.baseline_seconds = time.monotonic() - start
             return Rejection("baseline_no_passing_tests", f"{len(ids)} tests, none pass")
+        # Sensitivity probe: with every target file unimportable, the tests must notice.
+        # If none fails, they exercise another copy of the code (a module the
+        # interpreter imported at start-up shadows the repository's), and every task
+        # from this repository would be graded on code the agent cannot change.
+        probe = {path: _PROBE_SOURCE for path in self.repo.target_files}
+        broken = apply_changes(self.original, probe)
+        outcomes = self.run_tests(broken, broken, self.hidden, self.stable)
+        self.baseline_seconds = time.monotonic() - start
+        if all(outcomes[t].passed for t in self.stable):
+            self.stable = []
+            return Rejection(
+                "tests_ignore_code", "the tests pass with the repository's code unimportable"
+            )
         return None
 
     def validate(self, candidate: Candidate) -> ValidatedTask | Rejection:
