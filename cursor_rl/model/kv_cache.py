@@ -96,12 +96,10 @@ def init_cache(
 ) -> dict[str, PagedCache]:
     """Zeroed pools, created directly in their shardings when ``mesh`` is given."""
     shapes = cache_shapes(config, num_pages, page_size)
-    out_shardings = None if mesh is None else cache_shardings(config, mesh, rules)
-    make = jax.jit(
-        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-        out_shardings=out_shardings,
-    )
-    return make()
+    if mesh is None:
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    shardings = cache_shardings(config, mesh, rules)
+    return jax.tree.map(lambda s, d: jnp.zeros(s.shape, s.dtype, device=d), shapes, shardings)
 
 
 def bytes_per_token(config: ModelConfig) -> dict[str, int]:
