@@ -1,0 +1,354 @@
+"""The run report: ``WORKDIR/report.md`` and PNG plots from ``WORKDIR/metrics.jsonl``.
+
+    python -m cursor_rl.eval.report --workdir=DIR      # or write_report(workdir)
+
+Choices:
+
+1. **metrics.jsonl is the only input** (plus the saturation registry), read with
+   ``cursor_rl.train.metrics.read_metrics``, so a report can be written at any time,
+   for a finished run or one still going, on a machine with no accelerator.
+2. **Held-out eval rows are the rows with a ``bench`` key** (``runner.eval_row``);
+   every other row is a training row. RL training rows carry ``pass@1`` too (the
+   rollouts' success), so the key alone cannot tell them apart.
+3. **Before vs after RL** per benchmark: the last eval of stage ``sft`` (the SFT
+   checkpoint, evaluated before RL starts) against the last of stage ``rl`` (or
+   ``eval``): pass@1, pass@k, best-of-k, each per category, and episode lengths.
+4. **A restart may log a step twice**; series keep the last row of each step, in
+   step order. Wall time of a stage is the span of its rows' ``time`` (downtime
+   between a crash and its resume included).
+5. **Whatever is missing is skipped**: a stage, a metric, a plot with no data or an
+   unreadable registry leaves a line saying so, never an exception, so a partial run
+   still gets its report.
+6. **Plots use matplotlib's object API on an Agg canvas** (no pyplot): nothing
+   global (backend, open-figure registry) changes in the process that calls it.
+
+Plots written (when their data exists): ``loss.png`` (train and eval loss, a panel
+per stage), ``rl_reward.png`` (RL reward; train pass@1 and held-out pass@1 /
+best-of-k over RL steps, the SFT checkpoint's held-out pass@1 as a baseline),
+``rl_length.png`` (generated tokens and tool calls per episode over RL steps).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from absl import app, flags
+from etils import epath
+
+from cursor_rl.eval import registry as registry_lib
+from cursor_rl.train.metrics import read_metrics
+
+STAGE_ORDER = ("pretrain", "long_context", "sft", "rl", "eval")
+AFTER_STAGES = ("rl", "eval")
+_HEADLINE = ("pass@1", "pass@k", "best_of_k")
+_CATEGORY_KEY = re.compile(r"^(pass@1|pass@k|best_of_k)/(.+)$")
+
+
+def write_report(workdir: str, *, registry_path: str | None = None) -> str:
+    """Writes ``WORKDIR/report.md`` and its PNG plots.
+
+    Args:
+      workdir: the run's directory (local or ``gs://``).
+      registry_path: the saturation registry (default ``WORKDIR/eval/registry.json``).
+
+    Returns:
+      The report's path.
+    """
+    root = epath.Path(workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    rows = read_metrics(workdir)
+    evals = [r for r in rows if "bench" in r]
+    training = [r for r in rows if "bench" not in r]
+    stages = _stages(rows)
+    plots = {
+        "loss.png": _plot_losses(training, stages),
+        "rl_reward.png": _plot_rl_reward(training, evals),
+        "rl_length.png": _plot_rl_length(training),
+    }
+    written = []
+    for name, figure in plots.items():
+        if figure is not None:
+            with (root / name).open("wb") as fh:
+                figure.savefig(fh, format="png", dpi=110)
+            written.append(name)
+    registry = registry_lib.Registry(registry_path or registry_lib.registry_path(workdir))
+    sections = [
+        f"# Run report: {os.fspath(workdir)}",
+        f"Written {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')} "
+        f"from {len(rows)} rows of metrics.jsonl.",
+        "## Stages\n\n" + _stage_table(rows, stages),
+        "## RL\n\n" + _rl_table(training),
+        "## Held-out benchmark: before vs after RL\n\n" + _before_after(evals),
+        "## Plots\n\n" + _plot_links(written),
+        "## Benchmark registry\n\n" + _registry_status(registry),
+    ]
+    path = root / "report.md"
+    path.write_text("\n\n".join(sections) + "\n", encoding="utf-8")
+    return os.fspath(path)
+
+
+# ---- rows -----------------------------------------------------------------------
+
+
+def _stages(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Stages present, in recipe order, then any others in order of appearance."""
+    seen = list(dict.fromkeys(r["stage"] for r in rows if "stage" in r))
+    return [s for s in STAGE_ORDER if s in seen] + [s for s in seen if s not in STAGE_ORDER]
+
+
+def _of_stage(rows: Iterable[dict[str, Any]], stage: str) -> list[dict[str, Any]]:
+    return [r for r in rows if r.get("stage") == stage]
+
+
+def _series(rows: Iterable[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of ``key``: the last row of each step, in step order (choice 4)."""
+    by_step = {int(r["step"]): r[key] for r in rows if _number(r.get(key)) and "step" in r}
+    steps = sorted(by_step)
+    return steps, [float(by_step[s]) for s in steps]
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _first_last(rows: Sequence[dict[str, Any]], key: str) -> str:
+    _, values = _series(rows, key)
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return _fmt(values[0])
+    return f"{_fmt(values[0])} → {_fmt(values[-1])}"
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        # Lengths run to thousands of tokens; rates and losses need the decimals.
+        return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.{digits}f}"
+    return str(value)
+
+
+def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+# ---- markdown sections -------------------------------------------------------------
+
+
+def _stage_table(rows: Sequence[dict[str, Any]], stages: Sequence[str]) -> str:
+    if not stages:
+        return "No metrics rows yet."
+    body = []
+    for stage in stages:
+        mine = _of_stage(rows, stage)
+        steps = max((int(r["step"]) for r in mine if "step" in r), default=0)
+        _, tokens = _series(mine, "tokens")
+        times = [float(r["time"]) for r in mine if _number(r.get("time"))]
+        wall = f"{max(times) - min(times):.0f} s" if len(times) > 1 else "-"
+        body.append(
+            [
+                stage,
+                str(steps),
+                f"{int(tokens[-1]):,}" if tokens else "-",
+                _first_last([r for r in mine if "bench" not in r], "ce_loss"),
+                _first_last(mine, "eval_loss"),
+                wall,
+            ]
+        )
+    header = ["stage", "steps", "tokens", "train loss", "eval loss", "wall time"]
+    return _table(header, body)
+
+
+def _rl_table(training: Sequence[dict[str, Any]]) -> str:
+    rl = _of_stage(training, "rl")
+    keys = ("reward", "pass@1", "best_of_k", "generated_tokens", "tool_calls", "segments")
+    body = [[key, _first_last(rl, key)] for key in keys if _series(rl, key)[0]]
+    if not body:
+        return "No RL training rows."
+    return "Training rollouts, first → last logged step.\n\n" + _table(
+        ["metric", "first → last"], body
+    )
+
+
+def _before_after(evals: Sequence[dict[str, Any]]) -> str:
+    if not evals:
+        return "No held-out evaluation recorded."
+    parts = []
+    for bench in dict.fromkeys(r["bench"] for r in evals):
+        mine = [r for r in evals if r["bench"] == bench]
+        before = next((r for r in reversed(mine) if r.get("stage") == "sft"), None)
+        after = next((r for r in reversed(mine) if r.get("stage") in AFTER_STAGES), None)
+        parts.append(f"### {bench}\n\n" + _comparison(before, after) + "\n\n" + _history(mine))
+    return "\n\n".join(parts)
+
+
+def _comparison(before: dict[str, Any] | None, after: dict[str, Any] | None) -> str:
+    def label(row, name):
+        return "-" if row is None else f"{name} ({row.get('stage')} step {row.get('step')})"
+
+    present = [r for r in (before, after) if r is not None]
+    k = next((r["k"] for r in reversed(present) if "k" in r), None)
+    keys = [key for key in _HEADLINE if any(key in r for r in present)]
+    categories = sorted(
+        {m.group(2) for r in present for key in r if (m := _CATEGORY_KEY.match(key))}
+    )
+    keys += [
+        f"{key}/{c}"
+        for c in categories
+        for key in _HEADLINE
+        if any(f"{key}/{c}" in r for r in present)
+    ]
+    keys += [key for key in ("generated_tokens", "tool_calls") if any(key in r for r in present)]
+    body = []
+    for key in keys:
+        old = None if before is None else before.get(key)
+        new = None if after is None else after.get(key)
+        delta = _fmt(new - old) if _number(old) and _number(new) else "-"
+        if delta[0].isdigit():
+            delta = "+" + delta
+        name = key.replace("pass@k", f"pass@{k}").replace("best_of_k", f"best_of_{k}")
+        body.append([name, _fmt(old), _fmt(new), delta])
+    header = ["metric", label(before, "before RL"), label(after, "after RL"), "Δ"]
+    return _table(header, body)
+
+
+def _history(rows: Sequence[dict[str, Any]]) -> str:
+    body = [
+        [
+            str(r.get("stage")),
+            str(r.get("step")),
+            _fmt(r.get("pass@1")),
+            f"{_fmt(r.get('pass@k'))} (k={r.get('k', '-')})",
+            _fmt(r.get("best_of_k")),
+            _fmt(r.get("episodes")),
+        ]
+        for r in rows
+    ]
+    return "Every eval:\n\n" + _table(
+        ["stage", "step", "pass@1", "pass@k", "best_of_k", "episodes"], body
+    )
+
+
+def _plot_links(written: Sequence[str]) -> str:
+    if not written:
+        return "No plots (no data to plot yet)."
+    return "\n\n".join(f"![{name[:-4]}]({name})" for name in written)
+
+
+def _registry_status(registry: registry_lib.Registry) -> str:
+    try:
+        return registry.markdown()
+    except registry_lib.RegistryError as err:
+        return f"Unreadable: {err}"
+
+
+# ---- plots ---------------------------------------------------------------------
+
+
+def _figure(panels: int):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    figure = Figure(figsize=(4.5 * panels, 3.6), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, panels, squeeze=False)[0]
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
+    return figure, list(axes)
+
+
+def _plot_losses(training: Sequence[dict[str, Any]], stages: Sequence[str]):
+    with_loss = [
+        s
+        for s in stages
+        if any(_series(_of_stage(training, s), k)[0] for k in ("ce_loss", "eval_loss"))
+    ]
+    if not with_loss:
+        return None
+    figure, axes = _figure(len(with_loss))
+    for ax, stage in zip(axes, with_loss):
+        rows = _of_stage(training, stage)
+        for key, style in (("ce_loss", "-"), ("eval_loss", "o--")):
+            steps, values = _series(rows, key)
+            if steps:
+                ax.plot(steps, values, style, label="train" if key == "ce_loss" else "eval")
+        ax.set(title=stage, xlabel="step", ylabel="cross-entropy")
+        ax.legend()
+    return figure
+
+
+def _plot_rl_reward(training: Sequence[dict[str, Any]], evals: Sequence[dict[str, Any]]):
+    rl = _of_stage(training, "rl")
+    reward = _series(rl, "reward")
+    train_pass = _series(rl, "pass@1")
+    benches = list(dict.fromkeys(r["bench"] for r in evals))
+    rl_evals = {
+        b: [r for r in evals if r["bench"] == b and r.get("stage") in AFTER_STAGES] for b in benches
+    }
+    if not (reward[0] or train_pass[0] or any(rl_evals.values())):
+        return None
+    figure, (ax_reward, ax_pass) = _figure(2)
+    if reward[0]:
+        ax_reward.plot(*reward, "-", label="train reward")
+    ax_reward.set(title="RL reward", xlabel="RL step", ylabel="mean episode reward")
+    if train_pass[0]:
+        ax_pass.plot(*train_pass, "-", alpha=0.6, label="train pass@1")
+    for bench in benches:
+        steps, values = _series(rl_evals[bench], "pass@1")
+        if steps:
+            ax_pass.plot(steps, values, "o-", label=f"{bench} pass@1")
+        steps, values = _series(rl_evals[bench], "best_of_k")
+        if steps:
+            k = rl_evals[bench][-1].get("k", "k")
+            ax_pass.plot(steps, values, "s:", label=f"{bench} best-of-{k}")
+        sft = [r for r in evals if r["bench"] == bench and r.get("stage") == "sft"]
+        if sft and _number(sft[-1].get("pass@1")):
+            ax_pass.axhline(sft[-1]["pass@1"], linestyle="--", color="gray", label=f"{bench} SFT")
+    ax_pass.set(title="pass@1", xlabel="RL step", ylabel="fraction solved", ylim=(-0.02, 1.02))
+    for ax in (ax_reward, ax_pass):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+    return figure
+
+
+def _plot_rl_length(training: Sequence[dict[str, Any]]):
+    rl = _of_stage(training, "rl")
+    panels = [
+        (key, label)
+        for key, label in (("generated_tokens", "generated tokens"), ("tool_calls", "tool calls"))
+        if _series(rl, key)[0]
+    ]
+    if not panels:
+        return None
+    figure, axes = _figure(len(panels))
+    for ax, (key, label) in zip(axes, panels):
+        ax.plot(*_series(rl, key), "-")
+        ax.set(title=f"{label} per episode", xlabel="RL step", ylabel=label)
+    return figure
+
+
+# ---- command line ----------------------------------------------------------------
+
+
+def main(argv: Sequence[str]) -> None:
+    del argv
+    print(write_report(flags.FLAGS.workdir, registry_path=flags.FLAGS.registry))
+
+
+if __name__ == "__main__":
+    # Defined here, not at import: the RL loop imports this module inside
+    # cursor_rl.main, which owns --workdir already.
+    flags.DEFINE_string("workdir", None, "The run's directory (holds metrics.jsonl).")
+    flags.DEFINE_string(
+        "registry", None, "Saturation registry file (default WORKDIR/eval/registry.json)."
+    )
+    flags.mark_flags_as_required(["workdir"])
+    app.run(main)

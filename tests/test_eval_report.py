@@ -1,0 +1,171 @@
+"""The run report from a synthetic metrics.jsonl: tables, before/after, plots, partial runs."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from cursor_rl.eval import metrics, registry, report, runner
+from cursor_rl.eval.testing import graded_episode
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _eval_row(solved_bug, solved_feature, *, stage, step, tokens, time=0.0):
+    """A real eval row: four samples of one bug and one feature task, summarized."""
+    episodes = [
+        graded_episode("bug-1", "bug", g < solved_bug, sample=g, tokens=tokens) for g in range(4)
+    ] + [
+        graded_episode("feat-1", "feature", g < solved_feature, sample=g, tokens=tokens)
+        for g in range(4)
+    ]
+    summary = metrics.summarize(episodes, k_values=(1, 4))
+    summary.update(bench="tiny_bench", stage=stage, step=step)
+    return summary, {"stage": stage, "step": step, "time": time, **runner.eval_row(summary)}
+
+
+def _report_text(workdir):
+    return pathlib.Path(report.write_report(workdir)).read_text()
+
+
+def _write_rows(workdir, rows, torn_tail=False):
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+        if torn_tail:
+            fh.write('{"stage": "rl", "st')
+
+
+def _training_rows():
+    rows = [{"stage": "pretrain", "step": 0, "time": 1000.0, "eval_loss": 6.0}]
+    for step in (10, 20, 30):
+        rows.append(
+            {
+                "stage": "pretrain",
+                "step": step,
+                "time": 1000.0 + step,
+                "ce_loss": 6.0 - step / 10,
+                "tokens": step * 512,
+                "tokens_per_s": 900.0,
+            }
+        )
+    rows.append({"stage": "pretrain", "step": 30, "time": 1031.0, "eval_loss": 3.5})
+    for step in (5, 10):
+        rows.append({"stage": "long_context", "step": step, "time": 1100.0 + step, "ce_loss": 2.9})
+    for step in (4, 8):
+        rows.append({"stage": "sft", "step": step, "time": 1200.0 + step, "ce_loss": 1.5})
+    return rows
+
+
+def _rl_rows():
+    return [
+        {
+            "stage": "rl",
+            "step": step,
+            "time": 1300.0 + 10 * step,
+            "reward": 0.1 * step,
+            "pass@1": 0.1 * step,
+            "best_of_k": 0.2 * step,
+            "generated_tokens": 300.0 - 20 * step,
+            "tool_calls": 3.0,
+            "segments": 1.0,
+        }
+        for step in range(1, 5)
+    ]
+
+
+def _full_run(workdir):
+    sft_summary, sft_eval = _eval_row(1, 2, stage="sft", step=8, tokens=300, time=1210.0)
+    mid_summary, mid_eval = _eval_row(2, 3, stage="rl", step=2, tokens=250, time=1325.0)
+    last_summary, last_eval = _eval_row(3, 4, stage="rl", step=4, tokens=200, time=1345.0)
+    rl = _rl_rows()
+    rows = [*_training_rows(), sft_eval, *rl[:2], mid_eval, *rl[2:], last_eval]
+    _write_rows(workdir, rows, torn_tail=True)
+    reg = registry.Registry(registry.registry_path(workdir))
+    for summary in (sft_summary, mid_summary, last_summary):
+        reg.record(summary)
+
+
+def test_full_report(tmp_path):
+    workdir = str(tmp_path / "run")
+    _full_run(workdir)
+    path = report.write_report(workdir)
+    assert path == os.path.join(workdir, "report.md")
+    text = pathlib.Path(path).read_text()
+    for name in ("loss.png", "rl_reward.png", "rl_length.png"):
+        with open(os.path.join(workdir, name), "rb") as fh:
+            assert fh.read(8) == PNG_MAGIC, name
+        assert f"({name})" in text
+
+    # Stage table: steps, tokens, first -> last losses, wall time from the rows' time.
+    assert "| pretrain | 30 | 15,360 | 5.000 → 3.000 | 6.000 → 3.500 | 31 s |" in text
+    assert "| long_context | 10 | - | 2.900 → 2.900 | - | 5 s |" in text
+    assert "| sft | 8 | - | 1.500 → 1.500 | - | 6 s |" in text  # the SFT eval row included
+    assert "| rl | 4 | - | - | - | 35 s |" in text
+    # RL training rows, first -> last.
+    assert "| reward | 0.100 → 0.400 |" in text
+    assert "| generated_tokens | 280.0 → 220.0 |" in text
+    # Before (SFT eval) vs after (last RL eval), overall and per category.
+    assert "| metric | before RL (sft step 8) | after RL (rl step 4) | Δ |" in text
+    assert "| pass@1 | 0.375 | 0.875 | +0.500 |" in text
+    assert "| pass@4 | 1.000 | 1.000 | +0.000 |" in text
+    assert "| best_of_4 | 1.000 | 1.000 | +0.000 |" in text
+    assert "| pass@1/bug | 0.250 | 0.750 | +0.500 |" in text
+    assert "| pass@1/feature | 0.500 | 1.000 | +0.500 |" in text
+    assert "| generated_tokens | 300.0 | 200.0 | -100.0 |" in text
+    # Every eval is listed; the registry keeps the bench active (0.875 < 0.9).
+    assert text.count("| rl | 2 | 0.625 |") == 1
+    assert "| tiny_bench | active | 3 | 0.875 | 0.875 | - |" in text
+
+
+def test_partial_run_gets_a_report(tmp_path):
+    workdir = str(tmp_path / "run")
+    _write_rows(workdir, _training_rows()[:3], torn_tail=True)
+    text = _report_text(workdir)
+    assert "| pretrain | 20 |" in text
+    assert "No RL training rows." in text
+    assert "No held-out evaluation recorded." in text
+    assert "No benchmark recorded" in text
+    assert os.path.exists(os.path.join(workdir, "loss.png"))
+    assert not os.path.exists(os.path.join(workdir, "rl_reward.png"))
+
+
+def test_sft_eval_only_and_empty_workdir(tmp_path):
+    workdir = str(tmp_path / "run")
+    _, sft_eval = _eval_row(1, 2, stage="sft", step=8, tokens=300)
+    _write_rows(workdir, [sft_eval])
+    text = _report_text(workdir)
+    assert "| pass@1 | 0.375 | - | - |" in text
+    assert "| metric | before RL (sft step 8) | - | Δ |" in text
+
+    empty = str(tmp_path / "empty")
+    text = _report_text(empty)
+    assert "No metrics rows yet." in text and "No plots" in text
+
+
+def test_corrupt_registry_does_not_stop_the_report(tmp_path):
+    workdir = str(tmp_path / "run")
+    _write_rows(workdir, _training_rows())
+    os.makedirs(os.path.join(workdir, "eval"))
+    with open(registry.registry_path(workdir), "w") as fh:
+        fh.write("{")
+    text = _report_text(workdir)
+    assert "Unreadable: eval registry" in text
+
+
+def test_command_line(tmp_path):
+    workdir = str(tmp_path / "run")
+    _full_run(workdir)
+    done = subprocess.run(
+        [sys.executable, "-m", "cursor_rl.eval.report", f"--workdir={workdir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == os.path.join(workdir, "report.md")
+    assert os.path.exists(os.path.join(workdir, "rl_length.png"))

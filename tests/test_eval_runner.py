@@ -1,0 +1,113 @@
+"""evaluate(): one JSON line per episode, appended; the summary; the flat metrics row."""
+
+import json
+import types
+
+import pytest
+
+from cursor_rl.eval import metrics, runner
+from cursor_rl.eval.testing import graded_episode
+
+
+class FakeRunner:
+    """Stands in for RolloutRunner: task i resolves in its first ``solved[i]`` samples."""
+
+    def __init__(self, solved):
+        self.solved = solved
+        self.calls = []
+
+    def run(self, tasks, seed=0, group_size=None):
+        self.calls.append((len(tasks), seed, group_size))
+        return [
+            graded_episode(
+                task.task_id,
+                task.category,
+                g < self.solved[i],
+                sample=g,
+                tokens=50 + g,
+                calls=g,
+                versions=(3, 3, 4),
+                finish="submitted" if g < self.solved[i] else "token_budget",
+            )
+            for i, task in enumerate(tasks)
+            for g in range(group_size)
+        ]
+
+
+TASKS = [
+    types.SimpleNamespace(task_id="bug-1", category="bug"),
+    types.SimpleNamespace(task_id="feat-1", category="feature"),
+]
+
+
+def _evaluate(tmp_path, stage="rl", step=10, **kwargs):
+    fake = FakeRunner(solved=[1, 4])
+    summary = runner.evaluate(
+        fake,
+        TASKS,
+        samples=4,
+        seed=7,
+        bench_name="tiny_bench",
+        out_dir=str(tmp_path / "eval"),
+        stage=stage,
+        step=step,
+        policy_version=step,
+        **kwargs,
+    )
+    return fake, summary
+
+
+def _lines(tmp_path):
+    path = tmp_path / "eval" / "tiny_bench" / runner.RESULTS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_evaluate_runs_groups_and_summarizes(tmp_path):
+    fake, summary = _evaluate(tmp_path)
+    assert fake.calls == [(2, 7, 4)]
+    assert summary["bench"] == "tiny_bench" and summary["stage"] == "rl"
+    assert summary["step"] == 10 and summary["samples"] == 4 and summary["seed"] == 7
+    assert summary["k_values"] == [1, 2, 4]
+    assert summary["overall"]["pass@1"] == pytest.approx((1 / 4 + 1) / 2)
+    assert summary["categories"]["bug"]["pass@4"] == pytest.approx(1.0)
+    assert summary["categories"]["bug"]["pass@2"] == pytest.approx(metrics.pass_at_k(4, 1, 2))
+
+
+def test_results_lines_are_appended(tmp_path):
+    _evaluate(tmp_path, stage="sft", step=100)
+    _evaluate(tmp_path, stage="rl", step=5)
+    lines = _lines(tmp_path)
+    assert len(lines) == 16
+    assert [line["stage"] for line in lines] == ["sft"] * 8 + ["rl"] * 8
+    first = lines[0]
+    assert first["task_id"] == "bug-1" and first["category"] == "bug"
+    assert first["resolved"] is True and first["task_reward"] == 1.0
+    assert first["policy_version"] == 100 and first["policy_versions"] == [3, 4]
+    assert first["generated_tokens"] == 50 and first["segments"] == 1
+    for key in ("fail_to_pass_passed", "fail_to_pass_total", "pass_to_pass_broken", "tool_calls"):
+        assert key in first
+    assert "trajectory" not in first
+    assert lines[1]["resolved"] is False and lines[1]["finish_reason"] == "token_budget"
+
+
+def test_trajectories_only_on_request(tmp_path):
+    _evaluate(tmp_path, save_trajectories=True)
+    assert "segment_starts" in _lines(tmp_path)[0]["trajectory"]
+
+
+def test_eval_row(tmp_path):
+    _, summary = _evaluate(tmp_path)
+    row = runner.eval_row(summary)
+    assert row["bench"] == "tiny_bench"
+    assert row["k"] == 4
+    assert row["pass@1"] == summary["overall"]["pass@1"]
+    assert row["pass@k"] == row["pass@4"] == summary["overall"]["pass@4"]
+    assert row["best_of_k"] == row["best_of_4"]
+    assert row["pass@2"] == summary["overall"]["pass@2"]
+    assert row["pass@1/bug"] == pytest.approx(0.25)
+    assert row["pass@k/feature"] == pytest.approx(1.0)
+    assert row["best_of_k/bug"] == pytest.approx(1.0)
+    assert row["finish/submitted"] == pytest.approx(5 / 8)
+    assert row["tasks"] == 2 and row["episodes"] == 8
+    assert "stage" not in row and "step" not in row  # MetricsWriter.write adds them
+    json.dumps(row)
