@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cursor_rl import model, partitioning
-from cursor_rl.model import kv_cache
+from cursor_rl.model import kv_cache, moe
 from cursor_rl.model.config import ModelConfig
 from cursor_rl.sampler import Sampler, SamplingParams
 
@@ -125,6 +125,22 @@ def test_forward_cached_chunks_equal_full_forward(variables):
         logits, cache = run(CONFIG, variables, chunk, cache, step)
         np.testing.assert_allclose(logits, full[:, start + length - 1], atol=1e-4, rtol=1e-5)
         start += length
+
+
+@pytest.mark.parametrize("sizes", [[7, 0, 11, 1], [1, 0, 1, 0], [30, 2, 0, 30]])
+def test_padded_experts_equal_ragged(sizes):
+    """The decode-step expert path (each expert padded to one capacity) is exact."""
+    rng = np.random.default_rng(0)
+    rows = sum(sizes) + 2  # two trailing rows outside every group
+    xs = jnp.asarray(rng.normal(size=(rows, 6)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.normal(size=(4, 6, 5)), jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.normal(size=(4, 5, 6)), jnp.float32)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    padded = jax.jit(moe._swiglu_padded)(xs, group_sizes, wg, wu, wd)
+    np.testing.assert_allclose(
+        padded, moe._swiglu_ragged(xs, group_sizes, wg, wu, wd), atol=1e-5, rtol=1e-5
+    )
+    np.testing.assert_array_equal(np.asarray(padded[-2:]), 0)
 
 
 def test_cache_bytes_per_token():
@@ -263,8 +279,8 @@ def test_paused_sessions_keep_cache_without_a_slot(sampler):
 def test_sharded_sampler_equals_unsharded(sampler, variables):
     mesh = partitioning.make_mesh({"data": 2, "expert": 2, "tensor": 2})
     sharded = Sampler(CONFIG, variables, mesh=mesh, **SHARDED_OPTIONS)
-    layer = sharded.engine.variables["params"]["moe_layers"]["layer"]
-    assert layer["moe"]["gate_proj"].sharding.spec[1] == "expert"
+    layer = sharded.engine.variables["params"]["moe_layers_0"]
+    assert layer["moe"]["gate_proj"].sharding.spec[0] == "expert"
     pool = sharded.engine.cache["moe_layers"].kv_latent  # [L, P, page, C]: pages over 4 shards
     assert pool.addressable_shards[0].data.shape[1] == pool.shape[1] // 4
     for params in (SamplingParams(15), SamplingParams(15, temperature=1.0, top_k=8, seed=2)):

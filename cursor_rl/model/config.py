@@ -10,7 +10,7 @@ from typing import Any
 import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-MOE_IMPLS = ("auto", "ragged", "blocked", "dense")
+MOE_IMPLS = ("auto", "ragged", "blocked", "padded", "dense")
 ATTENTION_IMPLS = ("dot", "chunked")
 REMAT_POLICIES = (
     "none",
@@ -69,8 +69,10 @@ class ModelConfig:
     # Sequence-wise balance loss (DeepSeek-V3 eq. 17), alpha; 0 disables it.
     aux_loss_coef: float = 0.0
     # "ragged": sort + jax.lax.ragged_dot (TPU/GPU); "blocked": sort into fixed-size
-    # blocks + batched matmul (fastest on XLA:CPU); "dense": every expert on every
-    # token (reference); "auto": ragged on accelerators, blocked on CPU.
+    # blocks + batched matmul (fastest on XLA:CPU); "padded": each expert's rows
+    # padded to one capacity + batched matmul (XLA:CPU decode steps, few rows);
+    # "dense": every expert on every token (reference); "auto": ragged on
+    # accelerators, blocked on CPU.
     moe_impl: str = "auto"
     moe_block_size: int = 128
     # Expert-parallel send buffers: 0 = worst case (dropless); c > 0 = c x the

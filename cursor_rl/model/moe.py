@@ -10,7 +10,8 @@ Steps, each in its own ``jax.named_scope`` so profiles read like this list:
 2. ``permute``: sort (token, slot) assignments by expert; with expert parallelism,
    send each expert's rows to the device holding it (``all_to_all``).
 3. ``experts``: SwiGLU per expert over its contiguous rows (``ragged_dot``, or
-   fixed-size row blocks with a batched matmul, which XLA:CPU runs faster).
+   fixed-size row blocks with a batched matmul, which XLA:CPU runs faster, or,
+   for the few rows of a decode step, every expert padded to one capacity).
 4. ``unpermute``: the inverse, then the weighted sum over each token's k slots.
 
 Nothing is dropped by default: buffers are sized for the worst case, so results
@@ -165,9 +166,45 @@ def _swiglu_blocked(
     return jnp.take(yb, dest, axis=0, mode="fill", fill_value=0)
 
 
+def _swiglu_padded(xs: Array, group_sizes: Array, wg: Array, wu: Array, wd: Array) -> Array:
+    """Same contract as ``_swiglu_ragged``: every expert's rows padded to one capacity.
+
+    For few rows (decoding): rows go to [G, C, D] at (expert, rank) and one batched
+    matmul runs over experts, reading each expert's weights in place (``blocked``
+    copies them per block, which dominates when blocks are few rows). C is the
+    smallest power of four >= the largest group, picked at run time among static
+    branches, so nothing is dropped and at most 4x the rows are computed.
+    """
+    m, d = xs.shape
+    g = group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    row_group = jnp.searchsorted(ends, jnp.arange(m), side="right")  # G for trailing rows
+    in_group = row_group < g
+    group = jnp.minimum(row_group, g - 1)
+    rank = jnp.arange(m) - (ends - group_sizes)[group]
+    capacities = [1]
+    while capacities[-1] < m:
+        capacities.append(min(4 * capacities[-1], m))
+
+    def padded(capacity):
+        def run(xs):
+            slot = jnp.where(in_group, rank, capacity)  # trailing rows: dropped
+            xb = jnp.zeros((g, capacity, d), xs.dtype).at[group, slot].set(xs, mode="drop")
+            h = jax.nn.silu(jnp.einsum("gcd,gdf->gcf", xb, wg)) * jnp.einsum("gcd,gdf->gcf", xb, wu)
+            yb = jnp.einsum("gcf,gfd->gcd", h, wd)
+            return jnp.where(in_group[:, None], yb[group, jnp.minimum(rank, capacity - 1)], 0)
+
+        return run
+
+    branch = jnp.searchsorted(jnp.asarray(capacities), jnp.max(group_sizes))
+    return jax.lax.switch(branch, [padded(c) for c in capacities], xs)
+
+
 def _expert_ffn(impl: str, block: int):
     if impl == "ragged":
         return _swiglu_ragged
+    if impl == "padded":
+        return _swiglu_padded
     return functools.partial(_swiglu_blocked, block=block)
 
 

@@ -57,6 +57,7 @@ import numpy as np
 from cursor_rl import model, partitioning
 from cursor_rl.model import kv_cache
 from cursor_rl.model.config import ModelConfig
+from cursor_rl.model.transformer import STACKS
 from cursor_rl.sampler import sampling as sampling_lib
 from cursor_rl.sampler import weights
 
@@ -164,8 +165,9 @@ class Engine:
             )
         self.cache = kv_cache.init_cache(config, num_pages, page_size, mesh, rules)
         self.variables: dict[str, Any] | None = None
-        self._prefill = _compiled(config, mesh, rules, "prefill", self.max_seq_len, decode_steps)
-        self._decode = _compiled(config, mesh, rules, "decode", self.max_seq_len, decode_steps)
+        limits = (self.max_seq_len, decode_steps)
+        self._prefill = _compiled(config, mesh, rules, "prefill", *limits)
+        self._decode = _compiled(decode_variant(config), mesh, rules, "decode", *limits)
 
     # ---- weights ----------------------------------------------------------------
 
@@ -176,8 +178,12 @@ class Engine:
         return weights.variable_shardings(self.config, self.mesh, self.rules)
 
     def set_variables(self, variables: Mapping[str, Any]) -> None:
-        """Places variables in this engine's shardings (a no-op for arrays already there)."""
+        """Places variables in this engine's layout and shardings (no-op if already so)."""
         variables = {k: variables[k] for k in ("params", "router") if k in variables}
+        scanned = any(stack in variables["params"] for stack in STACKS)
+        if scanned != self.config.scan_layers:
+            convert = model.stack_layers if self.config.scan_layers else model.unstack_layers
+            variables = {k: convert(v) for k, v in variables.items()}
         shardings = self.variable_shardings()
         if shardings is None:
             self.variables = jax.device_put(variables)
@@ -227,8 +233,8 @@ class Engine:
             tokens[i, :n] = r.tokens
             positions[i] = r.start + np.arange(length)
             valid[i, :n] = True
-            needed = -(-(r.start + n) // self.page_size)
-            page_table[i, :needed] = r.pages[:needed]
+            pages = r.pages[:width]
+            page_table[i, : len(pages)] = pages
             last[i] = n - 1
             specs[i] = r.spec
             index.append(i)
@@ -257,8 +263,8 @@ class Engine:
         for i, d in slots.items():
             state.token[i], state.position[i], state.budget[i] = d.token, d.position, d.budget
             state.active[i] = True
-            needed = -(-(d.position + num_steps) // self.page_size)
-            page_table[i, : min(needed, width)] = d.pages[: min(needed, width)]
+            pages = d.pages[:width]  # entries past a row's pages are never read (causal mask)
+            page_table[i, : len(pages)] = pages
             specs[i] = d.spec
         num_stops = _bucket(max(len(d.spec.stop_ids) for d in slots.values()), 4, 1 << 20)
         stop_ids = np.full((s, num_stops), -1, np.int32)
@@ -306,6 +312,18 @@ def _row_sampling(specs: Sequence[TurnSpec | None]) -> sampling_lib.RowSampling:
 
 
 # ---- the compiled programs ----------------------------------------------------------
+
+
+def decode_variant(config: ModelConfig) -> ModelConfig:
+    """The config decode steps run with: ``padded`` experts on CPU unless chosen.
+
+    A decode step routes only ``num_slots * k`` rows; ``blocked`` would copy expert
+    weights per block of a few rows, ``padded`` reads them in place (moe.py).
+    Prefill chunks have many rows and keep the configured implementation.
+    """
+    if config.moe_impl == "auto" and jax.default_backend() == "cpu":
+        return config.replace(moe_impl="padded")
+    return config
 
 
 @functools.cache

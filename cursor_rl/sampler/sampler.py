@@ -69,6 +69,10 @@ class Sampler:
       decode_steps: decode steps per compiled call.
       prefill_chunk: longest prefill chunk per sequence and call.
       refresh_cache_on_swap: recompute cached prefixes after a weight swap.
+      scan_layers: the layout the sampler keeps the weights in (whatever layout
+        they come in). Unscanned by default, as MaxText decodes: under a scan
+        over layers each step slices every layer's weights out of the stacked
+        arrays, which XLA:CPU does by copying them.
     """
 
     def __init__(
@@ -86,8 +90,9 @@ class Sampler:
         decode_steps: int = 32,
         prefill_chunk: int = 256,
         refresh_cache_on_swap: bool = True,
+        scan_layers: bool = False,
     ):
-        self.config = config
+        self.config = config = config.replace(scan_layers=scan_layers)
         self.tokenizer = tokenizer
         self.refresh_cache_on_swap = refresh_cache_on_swap
         self.engine = Engine(
@@ -124,7 +129,7 @@ class Sampler:
         config = checkpoints.model_config_from_metadata(metadata, path)
         if "tokenizer" in metadata and "tokenizer" not in kwargs:
             kwargs["tokenizer"] = Tokenizer.from_json(metadata["tokenizer"])
-        sampler = cls(config.replace(scan_layers=True), **kwargs)
+        sampler = cls(config, **kwargs)
         sampler.load_checkpoint(path)
         return sampler
 
@@ -133,7 +138,9 @@ class Sampler:
         """A sampler for a Hugging Face DeepSeek-V3 / Kimi-K2 directory (version 0)."""
         from cursor_rl.model import hf
 
-        config, variables = hf.load_hf_checkpoint(path)
+        config, variables = hf.load_hf_checkpoint(
+            path, scan_layers=kwargs.get("scan_layers", False)
+        )
         return cls(config, variables, **kwargs)
 
     # ---- weights ----------------------------------------------------------------
