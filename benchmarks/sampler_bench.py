@@ -1,6 +1,6 @@
 """Sampler vs transformers' generate (KV cache, PyTorch CPU): prefill and decode tokens/s.
 
-    .venv/bin/python benchmarks/sampler_bench.py [--models=tiny,wide] [--batches=1,32]
+    .venv/bin/python -m benchmarks.sampler_bench [--models=tiny,wide] [--batches=1,32]
 
 Both sides run the same weights (ours exported with ``save_hf_checkpoint`` and
 loaded by ``DeepseekV3ForCausalLM.from_pretrained``), greedy, on prompts of the same
@@ -22,28 +22,13 @@ import time
 import jax
 import numpy as np
 
+from configs import tiny
 from cursor_rl import model
 from cursor_rl.model import hf, kv_cache
-from cursor_rl.model.config import ModelConfig
 from cursor_rl.sampler import Sampler, SamplingParams
 
-TINY = ModelConfig(  # configs/tiny.py's model
-    vocab_size=2048,
-    hidden_size=256,
-    intermediate_size=768,
-    moe_intermediate_size=256,
-    num_layers=4,
-    num_heads=4,
-    kv_lora_rank=64,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=16,
-    v_head_dim=32,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    first_k_dense=1,
-    max_position_embeddings=2048,
-)
+TINY = tiny.MODEL
+# Twice as wide, still four layers and 8 experts (top-2 + 1 shared).
 WIDE = TINY.replace(
     hidden_size=512,
     intermediate_size=1536,
@@ -94,12 +79,14 @@ def bench_transformers(hf_dir, prompts, new_tokens, repeats):
     torch.set_num_threads(os.cpu_count())
     hf_model = DeepseekV3ForCausalLM.from_pretrained(hf_dir).eval()
     hf_model.generation_config.eos_token_id = None  # exactly max_new_tokens
-    hf_model.generation_config.pad_token_id = 0
     input_ids = torch.tensor(prompts)
+    mask = torch.ones_like(input_ids)  # no padding: nothing for generate to infer
 
     def run(n):
         with torch.no_grad():
-            out = hf_model.generate(input_ids, max_new_tokens=n, do_sample=False, use_cache=True)
+            out = hf_model.generate(
+                input_ids, attention_mask=mask, max_new_tokens=n, do_sample=False, use_cache=True
+            )
         assert out.shape[1] == input_ids.shape[1] + n
 
     run(2)  # warm-up

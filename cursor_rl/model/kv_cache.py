@@ -133,17 +133,22 @@ def _attend_local(
     # One gather per pool straight from the layer's pages: [B, W * page_size, C].
     keys_latent = pool_latent[layer, step.page_table].reshape(batch, width * page_size, -1)
     keys_rope = pool_rope[layer, step.page_table].reshape(batch, width * page_size, -1)
+    # Queries as [B, T * H, .]: per row, plain matmuls against that row's keys (the
+    # [B, H, T, K] layout made XLA:CPU fall back to a slow generic dot).
+    _, t, h, c = q_latent.shape
     f32 = jnp.float32
-    scores = jnp.einsum("bthc,bkc->bhtk", q_latent, keys_latent, preferred_element_type=f32)
-    scores += jnp.einsum("bthr,bkr->bhtk", q_rope, keys_rope, preferred_element_type=f32)
-    scores *= scale
+    q_latent = q_latent.reshape(batch, t * h, c)
+    q_rope = q_rope.reshape(batch, t * h, -1)
+    scores = jnp.einsum("bqc,bkc->bqk", q_latent, keys_latent, preferred_element_type=f32)
+    scores += jnp.einsum("bqr,bkr->bqk", q_rope, keys_rope, preferred_element_type=f32)
+    scores = scores.reshape(batch, t, h, -1) * scale
     # Causal over positions; stale entries past a row's length sit at later positions.
     key_pos = jnp.arange(width * page_size, dtype=jnp.int32)
-    mask = key_pos[None, None, None, :] <= step.positions[:, None, :, None]
+    mask = key_pos[None, None, None, :] <= step.positions[:, :, None, None]
     scores = jnp.where(mask, scores, jnp.finfo(f32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(keys_latent.dtype)
-    context = jnp.einsum("bhtk,bkc->bthc", probs, keys_latent)
-    return context, pool_latent, pool_rope
+    context = jnp.einsum("bqk,bkc->bqc", probs.reshape(batch, t * h, -1), keys_latent)
+    return context.reshape(batch, t, h, c), pool_latent, pool_rope
 
 
 def paged_attention(

@@ -40,6 +40,11 @@ Design choices:
    call and updated in place.
 8. **Sampling in the graph** (``sampling.sample``): per-row temperature, top-p,
    top-k and keys; the host sees only the chosen tokens and their log-probs.
+9. **A decode-shaped model.** Weights are held unscanned by default (a scan over
+   layers slices each layer's weights out of the stacked arrays every step, a
+   copy on XLA:CPU; MaxText decodes unscanned too), and on CPU a decode step's
+   few routed rows use the ``padded`` expert path (``decode_variant``), which
+   reads expert weights in place instead of gathering them per block.
 """
 
 from __future__ import annotations

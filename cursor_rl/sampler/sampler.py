@@ -14,7 +14,7 @@ returns the turns that finished; a paused session holds its pages, not a slot::
     s = sampler.open(prompt_ids, seed=episode_index)
     sampler.submit(s, params)
     while episodes_live:
-        for session, completion in sampler.step():     # non-blocking-ish: one round
+        for session, completion in sampler.step():     # one round: one decode call
             ...run the tool for this session (e.g. in a thread pool)...
         for session, result_ids in tool_results_ready():
             sampler.append(session, result_ids)

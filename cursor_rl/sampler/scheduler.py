@@ -22,6 +22,10 @@ Policies:
    preempted (cache dropped, turn put back at the head of the queue). Sampling
    keys depend only on (seed, session seed, position), so a preempted or evicted
    sequence produces the same tokens as one that never was.
+4. A round prefills the newly admitted turns completely (chunk by chunk, all of
+   them in each call), then runs one decode call over every occupied slot. Simple
+   and batch-friendly; a very long prompt delays the running slots' next tokens
+   by its prefill time (interleaving chunks with decode calls would bound that).
 """
 
 from __future__ import annotations
