@@ -59,6 +59,8 @@ MODEL = ModelConfig(
     dtype="bfloat16",
     param_dtype="float32",
     remat_policy="full",
+    # Expert-parallel buffers at 2x the balanced share (dropless would be 64x).
+    moe_capacity_factor=2.0,
     attention_impl="chunked",
     attention_chunk_size=1024,
 )

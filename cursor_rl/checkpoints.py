@@ -36,6 +36,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 PARAMS, TRAIN, DATA, METADATA = "params", "train", "data", "metadata"
+_COMMIT_MARKER = "commit_success.txt"  # written by Orbax when a step is finalised
 
 
 class CheckpointError(RuntimeError):
@@ -219,16 +220,21 @@ def checkpoint_dir(workdir: str, stage: str) -> str:
 
 
 def latest_checkpoint(directory: str) -> str | None:
-    """Path of the newest finalised checkpoint step under ``directory``, or None."""
-    # epath, not os.path: checkpoint directories may be on gs:// (Orbax reads them the same way).
-    if not epath.Path(directory).is_dir():
+    """Path of the newest finalised checkpoint step under ``directory``, or None.
+
+    A finalised step is a directory named by its step number holding Orbax's commit
+    marker (on local disks the rename from ``*.orbax-checkpoint-tmp-*`` is atomic too;
+    on GCS the marker is what tells a finished step).
+    """
+    path = epath.Path(directory)
+    if not path.is_dir():
         return None
-    manager = ocp.CheckpointManager(
-        directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False)
-    )
-    step = manager.latest_step()
-    manager.close()
-    return None if step is None else os.path.join(directory, str(step))
+    steps = [
+        int(child.name)
+        for child in path.iterdir()
+        if child.name.isdigit() and (child / _COMMIT_MARKER).exists()
+    ]
+    return os.path.join(directory, str(max(steps))) if steps else None
 
 
 def _step_path(path: str) -> str:

@@ -16,7 +16,9 @@ import ml_collections
 
 from cursor_rl.model.config import ModelConfig
 
-STAGES = ("pretrain", "long_context", "sft")
+# Stages the next-token trainer runs, then the RL stage; "all" runs every one in order.
+TRAIN_STAGES = ("pretrain", "long_context", "sft")
+STAGES = (*TRAIN_STAGES, "rl")
 PIPELINE_STAGES = ("all", *STAGES)
 
 
@@ -82,6 +84,46 @@ def _data_defaults() -> dict[str, Any]:
     return values
 
 
+def _rl_defaults() -> ml_collections.ConfigDict:
+    """The RL stage's section; rollout, reward and GRPO defaults come from their dataclasses."""
+    from cursor_rl.rl.grpo import GRPOConfig
+    from cursor_rl.rl.rewards import RewardConfig
+    from cursor_rl.rl.rollout import RolloutConfig
+
+    rl = ml_collections.ConfigDict()
+    rl.role = "colocated"  # colocated | trainer | sampler (two programs, see rl/loop.py)
+    rl.num_steps = 20  # GRPO updates (= policy versions)
+    rl.tasks_per_step = 8  # task groups per rollout batch
+    rl.updates_per_batch = 1  # optimizer steps per rollout batch (slices of its rows)
+    rl.microbatches = 1
+    rl.train_seq_len = 2048  # trainer row length (a segment longer than this is cut)
+    rl.max_staleness = 1  # accept rollouts at most this many policy versions old
+    rl.tool_workers = 2  # sandbox worker processes
+    rl.keep_policies = 3  # published policy versions kept on disk
+    rl.rollout = ml_collections.ConfigDict(dataclasses.asdict(RolloutConfig()))
+    rl.reward = ml_collections.ConfigDict(dataclasses.asdict(RewardConfig()))
+    rl.grpo = ml_collections.ConfigDict(dataclasses.asdict(GRPOConfig()))
+    rl.sampler = ml_collections.ConfigDict()
+    rl.sampler.num_slots = 16
+    rl.sampler.max_seq_len = 4096
+    rl.sampler.mesh = ml_collections.ConfigDict()  # axis sizes; empty: the default device
+    rl.eval = ml_collections.ConfigDict()
+    rl.eval.every = 10  # RL steps between held-out evals (0: before and after only; -1: none)
+    rl.eval.samples = 4  # samples per task (pass@k for k up to this)
+    rl.eval.num_tasks = 0  # 0: every bench task
+    rl.eval.temperature = 1.0
+    rl.eval.seed = 1234
+    rl.eval.bench_name = "tiny_bench"
+    rl.tasks = ml_collections.ConfigDict()
+    rl.tasks.train = ""  # a task dataset directory; empty: build the family into WORKDIR/tasks
+    rl.tasks.bench = ""
+    rl.tasks.family = "tiny"
+    rl.tasks.train_count = 256
+    rl.tasks.bench_count = 64
+    rl.tasks.build_seed = 0
+    return rl
+
+
 def base_config() -> ml_collections.ConfigDict:
     """Defaults for every section; experiment configs change what they need."""
     c = ml_collections.ConfigDict()
@@ -142,6 +184,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint.keep_every = 0  # also keep every K-th step forever (0 = off)
     c.checkpoint.async_save = True
     c.checkpoint.fallback_to_previous = True  # a corrupt latest checkpoint -> use the one before
+
+    c.rl = _rl_defaults()
 
     c.stage_overrides = ml_collections.ConfigDict()
     for stage in STAGES:

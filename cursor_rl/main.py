@@ -41,15 +41,16 @@ def main(argv):
     # Our progress at INFO; libraries (Orbax logs every save and restore) at WARNING.
     logging.getLogger("cursor_rl").setLevel(logging.INFO)
     absl_logging.set_verbosity(absl_logging.WARNING)
-    from cursor_rl.train import loop
+    from cursor_rl import pipeline
+    from cursor_rl.train.loop import Preempted
 
     try:
-        results = loop.run(_CONFIG.value, _WORKDIR.value)
-    except loop.Preempted as e:
+        rows = pipeline.run(_CONFIG.value, _WORKDIR.value)
+    except Preempted as e:
         print(e, flush=True)
         sys.exit(0)
     if jax.process_index() == 0:
-        print("\n" + loop.summary_table(results), flush=True)
+        print("\n" + pipeline.summary_table(rows), flush=True)
 
 
 if __name__ == "__main__":

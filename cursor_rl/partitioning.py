@@ -36,17 +36,22 @@ LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 # Parameters use bare names; activations use ``act_``-prefixed names so the two can be
 # sharded differently (e.g. parameter ``embed`` over fsdp, activation ``act_embed``
-# replicated).
+# replicated). A name may have several rules: the first whose mesh axes the array
+# has not used yet applies. So routed-expert weights take ``expert`` for their
+# expert dimension and shard ``embed`` over fsdp only, while every other weight
+# shards ``embed`` over fsdp and expert together (at pod scale the expert axis is
+# large: 64 devices would otherwise each hold a full copy of the dense weights).
 DEFAULT_RULES: LogicalRules = (
     # Parameters.
+    ("expert", "expert"),
     ("vocab", "tensor"),
+    ("embed", ("fsdp", "expert")),
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv", None),
     ("q_lora", None),
     ("kv_lora", None),
     ("mlp", "tensor"),
-    ("expert", "expert"),
     ("router", None),
     ("norm", None),
     ("layers", None),
@@ -67,6 +72,8 @@ DEFAULT_RULES: LogicalRules = (
 # Named presets, so configs can say ``mesh.rules_preset = "..."``.
 _PRESETS: dict[str, LogicalRules] = {
     "default": DEFAULT_RULES,
+    # Dense weights over fsdp only (the layout before expert-axis FSDP; small meshes).
+    "fsdp_only": tuple(r for r in DEFAULT_RULES if r != ("embed", ("fsdp", "expert"))),
     # Long context: split the sequence of activations over the context axis.
     "long_context": tuple(
         (name, "context") if name == "act_length" else (name, axes) for name, axes in DEFAULT_RULES
@@ -84,18 +91,24 @@ def rules_preset(name: str) -> LogicalRules:
 def make_rules(
     preset: str = "default", overrides: Mapping[str, str | Sequence[str] | None] | None = None
 ) -> LogicalRules:
-    """Builds rules from a preset with per-name overrides (``{"embed": None}``)."""
-    rules = dict(rules_preset(preset))
+    """Builds rules from a preset with per-name overrides (``{"embed": None}``).
+
+    An override replaces every rule of that name, at the place of the first.
+    """
+    rules = list(rules_preset(preset))
+    known = {name for name, _ in rules}
     for name, axes in (overrides or {}).items():
-        if name not in rules:
-            raise ValueError(f"mesh.rules: unknown logical axis {name!r}; known: {sorted(rules)}")
+        if name not in known:
+            raise ValueError(f"mesh.rules: unknown logical axis {name!r}; known: {sorted(known)}")
         if isinstance(axes, str | type(None)):
             _check_axes([axes] if axes else [])
-            rules[name] = axes
         else:
             _check_axes(axes)
-            rules[name] = tuple(axes)
-    return tuple(rules.items())
+            axes = tuple(axes)
+        first = next(i for i, (n, _) in enumerate(rules) if n == name)
+        rules = [r for r in rules if r[0] != name]
+        rules.insert(first, (name, axes))
+    return tuple(rules)
 
 
 def _check_axes(axes: Sequence[str]) -> None:

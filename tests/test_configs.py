@@ -31,7 +31,7 @@ def test_config_parses_and_every_stage_is_valid(path):
         source = fh.read()
     assert source.lstrip().startswith('"""'), "configs start with a docstring"
     assert "Command" in source and "Hardware" in source, "docstring gives command and hardware"
-    for stage in config_lib.STAGES:
+    for stage in config_lib.STAGES:  # the RL stage's model too
         stage_cfg = config_lib.stage_config(config, stage)
         model = config_lib.model_config(stage_cfg)
         assert model.validate() is model

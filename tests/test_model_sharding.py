@@ -93,7 +93,11 @@ def test_init_directly_sharded_equals_host_init():
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(plain)):
         np.testing.assert_array_equal(a, b)
     emb = sharded["params"]["embed"]
-    assert emb.sharding.spec[1] == "fsdp"  # [vocab, embed]: embed over fsdp
+    # [vocab, embed]: dense weights shard embed over fsdp and expert together; routed
+    # experts take the expert axis for their expert dimension and fsdp for embed.
+    assert emb.sharding.spec[1] == ("fsdp", "expert")
+    gate = sharded["params"]["moe_layers"]["layer"]["moe"]["gate_proj"]
+    assert tuple(gate.sharding.spec[1:3]) == ("expert", "fsdp")
 
 
 def test_mesh_shape_errors_name_the_axis():
@@ -107,8 +111,9 @@ def test_mesh_shape_errors_name_the_axis():
 
 
 def test_rule_overrides_and_presets():
-    rules = dict(partitioning.make_rules("default", {"embed": None, "mlp": ["tensor"]}))
-    assert rules["embed"] is None and rules["mlp"] == ("tensor",)
+    rules = partitioning.make_rules("default", {"embed": None, "mlp": ["tensor"]})
+    assert [axes for name, axes in rules if name == "embed"] == [None]  # replaces both
+    assert dict(rules)["mlp"] == ("tensor",)
     assert dict(partitioning.rules_preset("long_context"))["act_length"] == "context"
     with pytest.raises(ValueError, match="unknown logical axis"):
         partitioning.make_rules("default", {"embedd": None})

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
 from cursor_rl import config_lib, model
@@ -186,3 +187,28 @@ def test_clipping_bounds_the_update():
     double = jax.tree.map(lambda g: 2 * g, grads)
     np.testing.assert_allclose(first_update(1e-3, grads), first_update(1e-3, double), rtol=1e-6)
     assert not np.allclose(first_update(0.0, grads), first_update(0.0, double))
+
+
+def test_muon_experts_first_view_gives_the_same_updates():
+    """Swapping [layers, experts] for Muon's flattening changes layout, not the math."""
+    opt = _opt_config(name="muon", warmup_steps=0, clip_norm=0.0)
+    variables = model.init(MICRO_MODEL, jax.random.key(0))
+    params = variables["params"]
+    grads = jax.tree.map(lambda p: jnp.sin(p * 3.0 + 1.0), params)
+    wrapped = optimizer.make_optimizer(opt, 10)
+    plain = optax.contrib.muon(
+        optimizer.make_schedule(opt, 10),
+        beta=float(opt.muon_beta),
+        weight_decay=float(opt.weight_decay),
+        weight_decay_mask=optimizer.decay_mask,
+        adam_b1=float(opt.b1),
+        adam_b2=float(opt.b2),
+        eps=float(opt.eps),
+        adam_weight_decay=0.0,
+        muon_weight_dimension_numbers=optimizer.muon_dimension_numbers,
+        consistent_rms=0.2,
+    )
+    u1, _ = wrapped.update(grads, wrapped.init(params), params)
+    u2, _ = plain.update(grads, plain.init(params), params)
+    for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -16,6 +16,11 @@ Design choices:
    Malformed calls do not end it: each gets an error turn and the model continues.
 3. **Calls after ``submit`` in the same turn are not executed**; each still gets a
    tool turn saying so, keeping one tool turn per call.
+4. **The next assistant turn opens lazily** (in ``prompt`` or ``step``), so between
+   turns the caller may add a user message (``add_user_message``: a hint, or the
+   request for a self-summary), record a turn without running tools (``record``:
+   the summary itself) and start a new context window from a summary
+   (``restart_from_summary``). The tokens are the same as opening it eagerly.
 """
 
 from __future__ import annotations
@@ -73,19 +78,55 @@ class AgentEpisode:
         self.tools = {spec.name: spec for spec in tools}
         self.execute = execute
         self.max_turns = max_turns
+        self.system = system
+        self.task = task
         self.trajectory = Trajectory()
         self.turns = 0
         self.submitted = False
         self.done = False
-        chat.start_segment(self.trajectory)
-        prompt = f"{system}\n\n{tools_prompt(self.tools.values())}"
-        chat.append_message(self.trajectory, Message("system", prompt))
-        chat.append_message(self.trajectory, Message("user", task))
-        chat.append_assistant_header(self.trajectory)
+        self._start_window()
+
+    def _start_window(self) -> None:
+        chat, traj = self.chat, self.trajectory
+        chat.start_segment(traj)
+        prompt = f"{self.system}\n\n{tools_prompt(self.tools.values())}"
+        chat.append_message(traj, Message("system", prompt))
+        chat.append_message(traj, Message("user", self.task))
+
+    def _open_turn(self) -> None:
+        if not self.trajectory.turn_open:
+            self.chat.append_assistant_header(self.trajectory)
 
     def prompt(self) -> list[int]:
         """Token ids to sample the next assistant turn from (the current segment)."""
+        self._open_turn()
         return self.trajectory.current_context()
+
+    def add_user_message(self, text: str) -> None:
+        """Inserts a user turn before the next assistant turn (choice 4)."""
+        if self.trajectory.turn_open:
+            raise ValueError("an assistant turn is open: add user messages between turns")
+        self.chat.append_message(self.trajectory, Message("user", text))
+
+    def record(self, tokens: Sequence[int], logprobs: Sequence[float] | None = None) -> str:
+        """Records a sampled turn without parsing or running it; returns its text.
+
+        For turns that are not actions, such as a self-summary: they are trained like
+        any model output but are not tool calls and do not count toward ``max_turns``.
+        """
+        self._open_turn()
+        stops = set(self.chat.stop_token_ids)
+        self.chat.append_sampled(self.trajectory, tokens, logprobs)
+        return self.chat.tokenizer.decode([t for t in tokens if t not in stops]).strip()
+
+    def restart_from_summary(self, summary: str) -> None:
+        """Starts a new context window: [system, task, the summary as untrained context]."""
+        if self.trajectory.turn_open:
+            raise ValueError("an assistant turn is open: restart between turns")
+        self._start_window()
+        self.chat.append_message(
+            self.trajectory, Message("assistant", summary=summary, trainable=False)
+        )
 
     def step(self, tokens: Sequence[int], logprobs: Sequence[float] | None = None) -> StepResult:
         """Takes one sampled assistant turn: records it, runs its calls, appends the results.
@@ -99,6 +140,7 @@ class AgentEpisode:
         """
         if self.done:
             raise ValueError("the episode is over")
+        self._open_turn()
         self.chat.append_sampled(self.trajectory, tokens, logprobs)
         self.turns += 1
         parsed = self.chat.parse(tokens, self.tools)
@@ -113,6 +155,4 @@ class AgentEpisode:
             self.chat.append_message(self.trajectory, Message("tool", result.text))
         limit_reached = self.max_turns is not None and self.turns >= self.max_turns
         self.done = self.submitted or not parsed.calls or limit_reached
-        if not self.done:
-            self.chat.append_assistant_header(self.trajectory)
         return StepResult(parsed, tuple(results), self.done)

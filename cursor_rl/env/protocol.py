@@ -273,6 +273,11 @@ class Trajectory:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def turn_open(self) -> bool:
+        """Whether an assistant turn has been opened (header appended) and not closed."""
+        return self._open_turn is not None
+
     def _append(self, ids: Sequence[int], mask: int, logprobs: Sequence[float] | None = None):
         if logprobs is not None and len(logprobs) != len(ids):
             raise ValueError(f"{len(ids)} tokens but {len(logprobs)} log-probs")

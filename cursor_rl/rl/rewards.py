@@ -81,9 +81,10 @@ def task_reward(outcome: EpisodeOutcome, partial_credit: bool) -> float:
 
 
 def effort(outcome: EpisodeOutcome, config: RewardConfig) -> float:
-    return config.token_weight * outcome.generated_tokens / config.token_budget + (
-        1 - config.token_weight
-    ) * outcome.tool_calls / config.max_tool_calls
+    return (
+        config.token_weight * outcome.generated_tokens / config.token_budget
+        + (1 - config.token_weight) * outcome.tool_calls / config.max_tool_calls
+    )
 
 
 GroupReward = Callable[[Sequence[EpisodeOutcome], RewardConfig], list[float]]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 import sys
 import time
@@ -103,6 +104,9 @@ def topology_devices(topology: str) -> list:
     """Devices of a named TPU topology (compile-only), or the local devices for ``cpu``."""
     if topology == "cpu":
         return list(jax.devices())
+    # Compile-only use: several AOT processes (a sweep's pre-submit checks) may load
+    # libtpu at once, which its lockfile would otherwise refuse.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     try:
@@ -134,12 +138,15 @@ def compile_train_step(
     Returns:
       The memory and FLOPs report.
     """
-    stage = stage or (config.stage if config.stage in config_lib.STAGES else "pretrain")
+    stage = stage or (config.stage if config.stage in config_lib.TRAIN_STAGES else "pretrain")
     cfg = config_lib.stage_config(config, stage)
     devices = topology_devices(topology)
     from cursor_rl.train.loop import validate_stage_config
 
     model_config = validate_stage_config(cfg, len(devices))
+    if model_config.moe_impl == "auto" and devices[0].platform != "cpu":
+        # "auto" follows the *running* backend (the CPU here); the target is the TPU.
+        model_config = model_config.replace(moe_impl="ragged")
     mesh = partitioning.make_mesh(cfg.mesh.ici.to_dict(), cfg.mesh.dcn.to_dict(), devices)
     rules = partitioning.make_rules(cfg.mesh.rules_preset, cfg.mesh.rules.to_dict())
     num_steps = int(cfg.train.num_steps)
@@ -196,7 +203,9 @@ def compile_train_step(
             report.temp_bytes = int(float(match.group(1)) * _UNITS[match.group(2)])
             report.argument_bytes = _argument_bytes(abstract_state, batch)
             report.compile_s = time.time() - start
-            report.note = "the compiler stopped: temporaries alone exceed HBM"
+            # The compiler lists the largest live buffers: keep them for the reader.
+            detail = str(e).split("\n", 1)[-1].strip()
+            report.note = "the compiler stopped: temporaries alone exceed HBM\n" + detail[:6000]
             return report
     report.compile_s = time.time() - start
     memory = compiled.memory_analysis()

@@ -23,6 +23,7 @@ _SOURCE_DIRS = ("cursor_rl", "configs", "launch", "benchmarks", "tests")
 # Import name -> pip requirement, for the third-party packages the project uses.
 _PIP = {
     "absl": "absl-py",
+    "etils": "etils",
     "array_record": "array-record",
     "flax": "flax",
     "grain": "grain",
@@ -33,6 +34,7 @@ _PIP = {
     "numpy": "numpy",
     "optax": "optax",
     "orbax": "orbax-checkpoint",
+    "portpicker": "portpicker",
     "pytest": "pytest",
     "safetensors": "safetensors",
     "seqio": "seqio",

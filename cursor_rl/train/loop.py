@@ -76,7 +76,7 @@ def validate_stage_config(cfg: ml_collections.ConfigDict, num_devices: int) -> M
                 value = value[part]
             raise ValueError(f"{field}={value!r}: {why}")
 
-    need(cfg.stage in config_lib.STAGES, "stage", f"one of {config_lib.STAGES}")
+    need(cfg.stage in config_lib.TRAIN_STAGES, "stage", f"one of {config_lib.TRAIN_STAGES}")
     need(cfg.train.num_steps > 0, "train.num_steps", "must be > 0")
     need(cfg.train.batch_size > 0, "train.batch_size", "must be > 0")
     need(cfg.train.seq_len > 1, "train.seq_len", "must be > 1")
@@ -449,29 +449,12 @@ def _install_sigterm_handler():
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> list[StageResult]:
-    """Runs ``config.stage`` (one stage, or all three in order)."""
-    stages = config_lib.STAGES if config.stage == "all" else (config.stage,)
-    if config.stage not in config_lib.PIPELINE_STAGES:
-        raise ValueError(f"stage={config.stage!r} is not one of {config_lib.PIPELINE_STAGES}")
+    """Runs ``config.stage``: one next-token stage, or (``all``) the three in order."""
+    stages = config_lib.TRAIN_STAGES if config.stage == "all" else (config.stage,)
+    if config.stage != "all" and config.stage not in config_lib.TRAIN_STAGES:
+        raise ValueError(f"stage={config.stage!r} is not one of {config_lib.TRAIN_STAGES}")
     root = epath.Path(workdir)  # a local directory or gs://
     root.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (root / "config.json").write_text(config.to_json_best_effort(indent=2), encoding="utf-8")
     return [run_stage(config, stage, workdir) for stage in stages]
-
-
-def summary_table(results: list[StageResult]) -> str:
-    """The console summary: stage, steps, tokens, losses, wall time."""
-    lines = [
-        f"{'stage':<13} {'steps':>6} {'tokens':>11} {'train loss':>10} "
-        f"{'eval loss':>16} {'wall':>8}",
-    ]
-    for r in results:
-        ev = "-" if r.eval_loss is None else f"{r.eval_loss:.3f}"
-        if r.first_eval_loss is not None and r.eval_loss is not None:
-            ev = f"{r.first_eval_loss:.3f} → {r.eval_loss:.3f}"
-        tl = "-" if r.train_loss is None else f"{r.train_loss:.3f}"
-        lines.append(
-            f"{r.stage:<13} {r.steps:>6} {r.tokens:>11,} {tl:>10} {ev:>16} {r.wall_s:>7.0f}s"
-        )
-    return "\n".join(lines)

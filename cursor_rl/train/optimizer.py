@@ -102,6 +102,38 @@ def muon_dimension_numbers(params):
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
+def _is_stacked_expert(path, leaf) -> bool:
+    keys = [str(getattr(p, "key", p)) for p in path]
+    return "moe" in keys and keys[-1] in ("gate_proj", "up_proj", "down_proj") and leaf.ndim == 4
+
+
+def _swap_layers_and_experts(tree):
+    """[layers, experts, ...] <-> [experts, layers, ...] on scanned expert weights."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x.swapaxes(0, 1) if _is_stacked_expert(path, x) else x, tree
+    )
+
+
+def _experts_first(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Runs ``inner`` on a view where stacked expert weights are [experts, layers, ...].
+
+    Muon flattens a matrix's batch axes into one before orthogonalising. With the
+    layer axis first, [layers, experts] -> [layers * experts] has its sharded
+    (expert) part minor, which XLA cannot keep sharded: every device would
+    orthogonalise all 384 experts. Experts first, the flattened axis stays sharded.
+    """
+
+    def init(params):
+        return inner.init(_swap_layers_and_experts(params))
+
+    def update(updates, state, params=None):
+        view = None if params is None else _swap_layers_and_experts(params)
+        new, state = inner.update(_swap_layers_and_experts(updates), state, view)
+        return _swap_layers_and_experts(new), state
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(opt, num_steps: int) -> optax.GradientTransformation:
     """The full chain: clip, then AdamW or Muon+AdamW, with the schedule."""
     schedule = make_schedule(opt, num_steps)
@@ -115,17 +147,19 @@ def make_optimizer(opt, num_steps: int) -> optax.GradientTransformation:
             mask=decay_mask,
         )
     elif opt.name == "muon":
-        core = optax.contrib.muon(
-            schedule,
-            beta=float(opt.muon_beta),
-            weight_decay=float(opt.weight_decay),
-            weight_decay_mask=decay_mask,
-            adam_b1=float(opt.b1),
-            adam_b2=float(opt.b2),
-            eps=float(opt.eps),
-            adam_weight_decay=0.0,
-            muon_weight_dimension_numbers=muon_dimension_numbers,
-            consistent_rms=0.2,
+        core = _experts_first(
+            optax.contrib.muon(
+                schedule,
+                beta=float(opt.muon_beta),
+                weight_decay=float(opt.weight_decay),
+                weight_decay_mask=decay_mask,
+                adam_b1=float(opt.b1),
+                adam_b2=float(opt.b2),
+                eps=float(opt.eps),
+                adam_weight_decay=0.0,
+                muon_weight_dimension_numbers=muon_dimension_numbers,
+                consistent_rms=0.2,
+            )
         )
     else:
         raise ValueError(f"optimizer.name={opt.name!r}: one of adamw, muon")

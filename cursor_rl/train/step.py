@@ -83,8 +83,10 @@ def _follow_params(opt_state, params, param_shardings, default):
     """Shardings for optimizer-state leaves: a moment of a parameter shards like it.
 
     Optax states mirror the parameter tree, so a state leaf whose key path ends with
-    a parameter's key path and has its shape takes that parameter's sharding;
-    everything else (step counts, scalars) gets ``default``.
+    a parameter's key path takes that parameter's sharding: as is when the shapes
+    match, with the first two axes swapped when the state holds the parameter with
+    its first two axes swapped (``optimizer._experts_first``); everything else (step
+    counts, scalars) gets ``default``.
     """
     by_path = {
         jax.tree_util.keystr(path): (leaf.shape, sharding)
@@ -96,8 +98,14 @@ def _follow_params(opt_state, params, param_shardings, default):
     def one(path, leaf):
         key = jax.tree_util.keystr(path)
         for param_path, (shape, sharding) in by_path.items():
-            if key.endswith(param_path) and leaf.shape == shape:
+            if not key.endswith(param_path):
+                continue
+            if leaf.shape == shape:
                 return sharding
+            if len(shape) >= 2 and leaf.shape == (shape[1], shape[0], *shape[2:]):
+                spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+                swapped = jax.sharding.PartitionSpec(spec[1], spec[0], *spec[2:])
+                return jax.sharding.NamedSharding(sharding.mesh, swapped)
         return default
 
     return jax.tree_util.tree_map_with_path(one, opt_state)

@@ -1,0 +1,74 @@
+"""The whole recipe in order: pretrain -> long-context -> SFT -> RL (with eval) -> report.
+
+``main.py`` calls ``run``; ``config.stage`` picks one stage or ``all``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import ml_collections
+
+from cursor_rl import config_lib
+from cursor_rl.train import loop as train_loop
+
+
+@dataclasses.dataclass
+class StageRow:
+    """One line of the console summary."""
+
+    stage: str
+    steps: int
+    tokens: int | None
+    train: str  # final train loss, or RL reward
+    eval: str  # held-out loss first -> last, or pass@1 before -> after
+    wall_s: float
+
+
+def _train_row(r: train_loop.StageResult) -> StageRow:
+    ev = "-" if r.eval_loss is None else f"{r.eval_loss:.3f}"
+    if r.first_eval_loss is not None and r.eval_loss is not None:
+        ev = f"loss {r.first_eval_loss:.3f} -> {r.eval_loss:.3f}"
+    train = "-" if r.train_loss is None else f"loss {r.train_loss:.3f}"
+    return StageRow(r.stage, r.steps, r.tokens, train, ev, r.wall_s)
+
+
+def _rl_row(r: dict) -> StageRow:
+    before, after = r.get("before", {}), r.get("after", {})
+    ev = "-"
+    if "pass@1" in after:
+        first = f"{before['pass@1']:.3f}" if "pass@1" in before else "?"
+        ev = f"pass@1 {first} -> {after['pass@1']:.3f}"
+    reward = r.get("reward")
+    train = "-" if reward is None else f"reward {reward:.3f}"
+    return StageRow("rl", int(r.get("steps", 0)), None, train, ev, float(r.get("wall_s", 0.0)))
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> list[StageRow]:
+    """Runs ``config.stage`` and writes the report; returns the summary rows."""
+    if config.stage not in config_lib.PIPELINE_STAGES:
+        raise ValueError(f"stage={config.stage!r} is not one of {config_lib.PIPELINE_STAGES}")
+    rows: list[StageRow] = []
+    if config.stage == "all" or config.stage in config_lib.TRAIN_STAGES:
+        rows += [_train_row(r) for r in train_loop.run(config, workdir)]
+    if config.stage in ("all", "rl"):
+        from cursor_rl.rl import loop as rl_loop
+
+        rows.append(_rl_row(rl_loop.run_rl(config, workdir)))
+    if jax.process_index() == 0:
+        from cursor_rl.eval import report
+
+        report.write_report(workdir)
+    return rows
+
+
+def summary_table(rows: list[StageRow]) -> str:
+    """The console summary: stage, steps, tokens, train and eval figures, wall time."""
+    lines = [f"{'stage':<13} {'steps':>6} {'tokens':>11} {'train':>14} {'eval':>26} {'wall':>7}"]
+    for r in rows:
+        tokens = "-" if r.tokens is None else f"{r.tokens:,}"
+        lines.append(
+            f"{r.stage:<13} {r.steps:>6} {tokens:>11} {r.train:>14} {r.eval:>26} {r.wall_s:>6.0f}s"
+        )
+    return "\n".join(lines)

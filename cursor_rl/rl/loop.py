@@ -1,0 +1,465 @@
+"""The RL stage: rollouts and GRPO updates, as two programs bridged by files on disk.
+
+Roles (``rl.role``):
+
+* ``sampler``: loads the newest published policy, runs a batch of task groups
+  through the harness, writes them to ``rl/rollouts/<index>.json`` (tagged with
+  the policy versions that produced them) and moves its cursor on; it runs the
+  held-out evaluations too.
+* ``trainer``: takes the rollout files in order, drops those older than
+  ``max_staleness`` policy versions, takes GRPO steps, publishes each new policy
+  as an Orbax checkpoint (``rl/policy/<version>``) and checkpoints itself with the
+  index of the next rollout file. An RL step is one rollout batch; a batch whose
+  groups all have zero reward variance changes nothing, so the policy version
+  (optimizer updates) can trail the step.
+* ``colocated`` (tests and the tiny pipeline): both in one process, taking turns,
+  through the same files and checkpoints.
+
+Either process may crash and restart: the trainer resumes from its checkpoint
+(weights, optimizer, next rollout index), the sampler from the newest policy and
+its cursor file. The trainer writes ``rl/DONE`` when it has taken ``rl.num_steps``
+steps; the sampler stops then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from cursor_rl import checkpoints, config_lib, partitioning
+from cursor_rl.data.tokenizer import Tokenizer
+from cursor_rl.env import protocol
+from cursor_rl.env.pool import ToolPool
+from cursor_rl.rl import grpo, rewards
+from cursor_rl.rl.rollout import Episode, RolloutConfig, RolloutRunner
+from cursor_rl.rl.trainer import RLTrainer
+from cursor_rl.tasks import records
+from cursor_rl.train.metrics import MetricsWriter, Progress
+
+log = logging.getLogger(__name__)
+
+ROLES = ("colocated", "trainer", "sampler")
+
+
+# ---- the bridge ---------------------------------------------------------------------
+
+
+class RolloutStore:
+    """Rollout files and the sampler's cursor under ``WORKDIR/rl/rollouts``."""
+
+    def __init__(self, workdir: str):
+        self.directory = os.path.join(workdir, "rl", "rollouts")
+        self.done_marker = os.path.join(workdir, "rl", "DONE")
+        os.makedirs(self.directory, exist_ok=True)
+
+    def path(self, index: int) -> str:
+        return os.path.join(self.directory, f"{index:06d}.json")
+
+    def write(self, index: int, episodes: Sequence[Episode], info: dict[str, Any]) -> None:
+        payload = {"index": index, **info, "episodes": [e.to_json() for e in episodes]}
+        tmp = self.path(index) + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh)
+        os.replace(tmp, self.path(index))  # readers never see half a file
+
+    def read(self, index: int) -> tuple[list[Episode], dict[str, Any]]:
+        with open(self.path(index), encoding="utf-8") as fh:
+            payload = json.load(fh)
+        episodes = [Episode.from_json(e) for e in payload.pop("episodes")]
+        return episodes, payload
+
+    def exists(self, index: int) -> bool:
+        return os.path.exists(self.path(index))
+
+    def cursor(self) -> int:
+        """The next rollout index the sampler will write."""
+        index = 0
+        while self.exists(index):
+            index += 1
+        return index
+
+    @property
+    def done(self) -> bool:
+        return os.path.exists(self.done_marker)
+
+    def mark_done(self) -> None:
+        with open(self.done_marker, "w", encoding="utf-8") as fh:
+            fh.write(str(time.time()))
+
+
+# ---- rewards and advantages ----------------------------------------------------------
+
+
+def score_groups(
+    episodes: Sequence[Episode], reward_config: rewards.RewardConfig, grpo_config: grpo.GRPOConfig
+) -> tuple[list[Episode], list[float], dict[str, float]]:
+    """Rewards per episode (by group), advantages, and the episodes worth training on.
+
+    Lost episodes are dropped; zero-variance groups too when configured (choice 2
+    of ``grpo``). Returns (episodes, advantages, metrics).
+    """
+    groups: dict[int, list[Episode]] = {}
+    for episode in episodes:
+        groups.setdefault(episode.task_index, []).append(episode)
+    kept, advantages, all_rewards = [], [], []
+    dropped_groups = 0
+    for group in groups.values():
+        group = [e for e in group if e.finish_reason != "lost"]
+        if not group:
+            continue
+        group_rewards = rewards.group_rewards([e.outcome() for e in group], reward_config)
+        for e, r in zip(group, group_rewards):
+            e.grade["reward"] = r
+        all_rewards += group_rewards
+        if grpo_config.drop_zero_variance and not grpo.has_signal(group_rewards):
+            dropped_groups += 1
+            continue
+        kept += group
+        advantages += list(grpo.group_advantages(group_rewards, grpo_config.std_normalize))
+    metrics = {
+        "reward": float(np.mean(all_rewards)) if all_rewards else 0.0,
+        "zero_variance_groups": dropped_groups,
+        "groups": len(groups),
+    }
+    return kept, advantages, metrics
+
+
+def rollout_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Per-batch episode statistics for metrics.jsonl (stage ``rl``)."""
+    if not episodes:
+        return {}
+    by_task: dict[int, list[bool]] = {}
+    for e in episodes:
+        by_task.setdefault(e.task_index, []).append(e.resolved)
+    out = {
+        "pass@1": float(np.mean([e.resolved for e in episodes])),
+        f"best_of_{max(len(v) for v in by_task.values())}": float(
+            np.mean([any(v) for v in by_task.values()])
+        ),
+        "generated_tokens": float(np.mean([e.generated_tokens for e in episodes])),
+        "tool_calls": float(np.mean([e.tool_calls for e in episodes])),
+        "segments": float(np.mean([e.segments for e in episodes])),
+        "summaries": float(np.mean([len(e.summary_tokens) for e in episodes])),
+        "summary_tokens": float(np.mean([t for e in episodes for t in e.summary_tokens] or [0.0])),
+        "episodes_lost": float(sum(e.finish_reason == "lost" for e in episodes)),
+        "episode_seconds": float(np.mean([e.seconds.get("episode", 0.0) for e in episodes])),
+    }
+    for reason in ("submitted", "answered", "turn_limit", "token_budget", "context"):
+        out[f"finish/{reason}"] = float(np.mean([e.finish_reason == reason for e in episodes]))
+    return out
+
+
+# ---- setup shared by the roles ------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Context:
+    cfg: ml_collections.ConfigDict
+    workdir: str
+    tokenizer: Tokenizer
+    chat: protocol.ChatFormat
+    model_config: Any
+    train_tasks: list[records.TaskRecord]
+    bench_tasks: list[records.TaskRecord]
+    train_dir: str
+    bench_dir: str
+
+
+def _context(config: ml_collections.ConfigDict, workdir: str) -> _Context:
+    from cursor_rl.rl import tasks as rl_tasks
+
+    cfg = config_lib.stage_config(config, "rl")
+    tokenizer_file = os.path.join(workdir, "tokenizer", "tokenizer.json")
+    tokenizer = Tokenizer.load(cfg.tokenizer.path or tokenizer_file)
+    model_config = config_lib.model_config(cfg)
+    train_dir, bench_dir = rl_tasks.ensure_tasks(cfg, workdir)
+    return _Context(
+        cfg=cfg,
+        workdir=workdir,
+        tokenizer=tokenizer,
+        chat=protocol.ChatFormat(tokenizer),
+        model_config=model_config,
+        train_tasks=records.load_tasks(os.path.join(train_dir, records.TASKS_FILE)),
+        bench_tasks=records.load_tasks(os.path.join(bench_dir, records.TASKS_FILE)),
+        train_dir=train_dir,
+        bench_dir=bench_dir,
+    )
+
+
+def _rollout_config(cfg) -> RolloutConfig:
+    values = cfg.rl.rollout.to_dict()
+    return RolloutConfig(**values)
+
+
+def _sampler(ctx: _Context):
+    from cursor_rl.sampler import Sampler
+
+    s = ctx.cfg.rl.sampler
+    mesh = partitioning.make_mesh(s.mesh.to_dict()) if s.mesh.to_dict() else None
+    return Sampler(
+        ctx.model_config,
+        mesh=mesh,
+        num_slots=int(s.num_slots),
+        max_seq_len=int(s.max_seq_len),
+        tokenizer=ctx.tokenizer,
+    )
+
+
+def _init_checkpoint(ctx: _Context) -> str:
+    source = ctx.cfg.train.init_from or checkpoints.latest_checkpoint(
+        checkpoints.checkpoint_dir(ctx.workdir, "sft")
+    )
+    if not source:
+        raise FileNotFoundError(
+            f"RL starts from the SFT stage, but {checkpoints.checkpoint_dir(ctx.workdir, 'sft')} "
+            "has no checkpoint; run it first or set train.init_from"
+        )
+    return source
+
+
+def _task_batch(ctx: _Context, index: int) -> list[records.TaskRecord]:
+    """Batch ``index`` of training tasks: a seeded pass over the set, then the next."""
+    n = int(ctx.cfg.rl.tasks_per_step)
+    tasks = ctx.train_tasks
+    epoch, offset = divmod(index * n, len(tasks))
+    order = np.random.default_rng(ctx.cfg.seed + epoch).permutation(len(tasks))
+    picked = [tasks[order[(offset + i) % len(tasks)]] for i in range(n)]
+    return picked
+
+
+class _SamplerSide:
+    """What the sampler role holds: sampler, tool pool, runner."""
+
+    def __init__(self, ctx: _Context):
+        self.ctx = ctx
+        self.sampler = _sampler(ctx)
+        self.pool = ToolPool(num_workers=int(ctx.cfg.rl.tool_workers))
+        self.runner = RolloutRunner(
+            self.sampler, ctx.chat, self.pool, _rollout_config(ctx.cfg), dataset_dir=ctx.train_dir
+        )
+        self.policy_dir = os.path.join(ctx.workdir, "rl", "policy")
+
+    def load_newest(self, at_least: int = 0, timeout_s: float = 3600.0) -> int:
+        from cursor_rl.sampler import weights
+
+        deadline = time.time() + timeout_s
+        while True:
+            latest = weights.latest_policy(self.policy_dir)
+            if latest is not None and latest[0] >= at_least:
+                if self.sampler.policy_version != latest[0]:
+                    self.sampler.load_checkpoint(latest[1], latest[0])
+                return latest[0]
+            if time.time() > deadline:
+                raise TimeoutError(f"no policy >= {at_least} in {self.policy_dir}")
+            time.sleep(1.0)
+
+    def rollouts(self, index: int) -> tuple[list[Episode], dict[str, Any]]:
+        tasks = _task_batch(self.ctx, index)
+        start = time.time()
+        episodes = self.runner.run(tasks, seed=self.ctx.cfg.seed * 1_000_003 + index)
+        versions = [v for e in episodes for v in e.turn_versions]
+        info = {
+            "policy_version": min(versions) if versions else self.sampler.policy_version,
+            "rollout_seconds": time.time() - start,
+        }
+        return episodes, info
+
+    def evaluate(self, stage: str, step: int, writer: MetricsWriter) -> dict[str, Any]:
+        """Held-out eval (skipped once the benchmark is retired as saturated)."""
+        from cursor_rl.eval import registry as eval_registry
+        from cursor_rl.eval import runner as eval_runner
+
+        e = self.ctx.cfg.rl.eval
+        registry = eval_registry.Registry(eval_registry.registry_path(self.ctx.workdir))
+        if not registry.is_active(str(e.bench_name)):
+            log.info("benchmark %s is retired (saturated): not evaluated", e.bench_name)
+            return {}
+        tasks = self.ctx.bench_tasks[: int(e.num_tasks)] if e.num_tasks else self.ctx.bench_tasks
+        bench_runner = RolloutRunner(
+            self.sampler,
+            self.ctx.chat,
+            self.pool,
+            dataclasses.replace(_rollout_config(self.ctx.cfg), temperature=float(e.temperature)),
+            dataset_dir=self.ctx.bench_dir,
+        )
+        summary = eval_runner.evaluate(
+            bench_runner,
+            tasks,
+            samples=int(e.samples),
+            seed=int(e.seed),
+            bench_name=str(e.bench_name),
+            out_dir=os.path.join(self.ctx.workdir, "eval"),
+            stage=stage,
+            step=step,
+            policy_version=self.sampler.policy_version,
+            partial_credit=bool(self.ctx.cfg.rl.reward.partial_credit),
+        )
+        row = eval_runner.eval_row(summary)
+        writer.write(stage, step, row)
+        registry.record(summary)
+        return row
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def _trainer(ctx: _Context) -> RLTrainer:
+    metadata = checkpoints.make_metadata(
+        ctx.model_config, stage="rl", tokenizer_json=ctx.tokenizer.to_json()
+    )
+    return RLTrainer(
+        ctx.model_config,
+        ctx.cfg,
+        init_from=_init_checkpoint(ctx),
+        state_dir=os.path.join(ctx.workdir, "rl", "checkpoints"),
+        policy_dir=os.path.join(ctx.workdir, "rl", "policy"),
+        metadata=metadata,
+    )
+
+
+def _train_on(trainer: RLTrainer, ctx: _Context, store: RolloutStore, index: int, writer):
+    """One trainer step on rollout file ``index`` (or a skip if it is too stale)."""
+    episodes, info = store.read(index)
+    reward_config = rewards.RewardConfig.from_mapping(ctx.cfg.rl.reward.to_dict())
+    kept, advantages, reward_metrics = score_groups(episodes, reward_config, trainer.grpo)
+    staleness = trainer.version - int(info.get("policy_version") or 0)
+    row = {**reward_metrics, **rollout_metrics(episodes), "staleness": staleness}
+    row["rollout_seconds"] = float(info.get("rollout_seconds", 0.0))
+    if staleness > int(ctx.cfg.rl.max_staleness):
+        row["stale_batches_dropped"] = 1
+        log.warning("rollout %d is %d versions old: dropped", index, staleness)
+    elif kept:
+        start = time.time()
+        row.update(trainer.train(kept, advantages))
+        row["train_seconds"] = time.time() - start
+    trainer.publish()
+    row["policy_version"] = trainer.version
+    writer.write("rl", index + 1, row)
+    trainer.save({"next_rollout": index + 1})
+    return row
+
+
+# ---- the roles ----------------------------------------------------------------------
+
+
+def run_rl(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Runs the RL stage in the configured role; returns a summary for the console."""
+    role = config.rl.role
+    if role not in ROLES:
+        raise ValueError(f"rl.role={role!r}: one of {ROLES}")
+    ctx = _context(config, workdir)
+    writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
+    store = RolloutStore(workdir)
+    try:
+        if role == "trainer":
+            return _run_trainer(ctx, store, writer)
+        if role == "sampler":
+            return _run_sampler(ctx, store, writer)
+        return _run_colocated(ctx, store, writer)
+    finally:
+        writer.close()
+
+
+def _run_colocated(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]:
+    start = time.time()
+    rl = ctx.cfg.rl
+    trainer = _trainer(ctx)
+    sampler_side = _SamplerSide(ctx)
+    progress = Progress("rl", int(rl.num_steps))
+    evals = {}
+    try:
+        trainer.publish()
+        steps = int(rl.num_steps)
+        if trainer.batches_done == 0 and int(rl.eval.every) >= 0 and not _evaluated(ctx, "sft"):
+            sampler_side.load_newest(0)
+            evals["before"] = sampler_side.evaluate("sft", 0, writer)
+        row: dict[str, Any] = {}
+        while trainer.batches_done < steps:
+            index = trainer.batches_done
+            sampler_side.load_newest(trainer.version)
+            if not store.exists(index):
+                episodes, info = sampler_side.rollouts(index)
+                store.write(index, episodes, info)
+            row = _train_on(trainer, ctx, store, index, writer)
+            progress.update(
+                trainer.batches_done,
+                {k: row.get(k) for k in ("reward", "pass@1", "generated_tokens", "policy_loss")},
+            )
+            every = int(rl.eval.every)
+            if every > 0 and trainer.batches_done % every == 0 and trainer.batches_done < steps:
+                sampler_side.load_newest(trainer.version)
+                sampler_side.evaluate("rl", trainer.batches_done, writer)
+        sampler_side.load_newest(trainer.version)
+        if int(rl.eval.every) >= 0:
+            evals["after"] = sampler_side.evaluate("rl", trainer.batches_done, writer)
+        store.mark_done()
+    finally:
+        progress.finish()
+        sampler_side.close()
+        trainer.close()
+    return {
+        "steps": trainer.batches_done,
+        "policy_version": trainer.version,
+        "reward": row.get("reward"),
+        "wall_s": time.time() - start,
+        **evals,
+    }
+
+
+def _evaluated(ctx: _Context, stage: str) -> bool:
+    from cursor_rl.train.metrics import read_metrics
+
+    return any(r.get("stage") == stage and "pass@1" in r for r in read_metrics(ctx.workdir))
+
+
+def _run_trainer(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]:
+    start = time.time()
+    trainer = _trainer(ctx)
+    try:
+        trainer.publish()
+        while trainer.batches_done < int(ctx.cfg.rl.num_steps):
+            while not store.exists(trainer.batches_done):
+                time.sleep(0.5)
+            _train_on(trainer, ctx, store, trainer.batches_done, writer)
+        store.mark_done()
+    finally:
+        trainer.close()
+    return {"steps": trainer.batches_done, "wall_s": time.time() - start}
+
+
+def _run_sampler(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]:
+    start = time.time()
+    rl = ctx.cfg.rl
+    side = _SamplerSide(ctx)
+    produced = 0
+    try:
+        version = side.load_newest(0)
+        if version == 0 and int(rl.eval.every) >= 0 and not _evaluated(ctx, "sft"):
+            side.evaluate("sft", 0, writer)
+        last_eval = version
+        while not store.done:
+            index = store.cursor()
+            # Stay at most max_staleness versions ahead of the trainer.
+            version = side.load_newest(max(0, index - int(rl.max_staleness)))
+            episodes, info = side.rollouts(index)
+            store.write(index, episodes, info)
+            produced += 1
+            every = int(rl.eval.every)
+            if every > 0 and version - last_eval >= every:
+                side.evaluate("rl", version, writer)
+                last_eval = version
+        side.load_newest(int(rl.num_steps))
+        if int(rl.eval.every) >= 0:
+            side.evaluate("rl", int(rl.num_steps), writer)
+    finally:
+        side.close()
+    return {"rollout_batches": produced, "wall_s": time.time() - start}

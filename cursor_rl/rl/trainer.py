@@ -1,0 +1,299 @@
+"""The RL trainer: GRPO updates on the trainer's mesh; policy versions go out as Orbax checkpoints.
+
+Episodes become training rows here (host side), in three steps:
+
+1. each self-summarised episode contributes one sequence per context window
+   (segment), all with the episode's advantage;
+2. sequences are packed into rows of ``seq_len`` (first-fit, longest first;
+   ``segment_ids`` keep them apart, ``positions`` restart); a longer sequence is
+   cut at ``seq_len`` (counted);
+3. the row count is rounded up to a power of two times ``rows_multiple`` (the
+   batch shards times micro-batches), so few distinct shapes are ever compiled.
+
+``old_logprobs`` (the trainer's own log-probs before this batch's updates) are
+computed once per batch; the batch then takes ``updates_per_batch`` optimizer
+steps over as many equal slices of its rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from cursor_rl import checkpoints, partitioning
+from cursor_rl.model.config import ModelConfig
+from cursor_rl.rl import grpo
+from cursor_rl.rl.rollout import Episode
+from cursor_rl.train import optimizer as optim
+from cursor_rl.train import step as step_lib
+
+
+@dataclasses.dataclass
+class BatchStats:
+    sequences: int = 0
+    rows: int = 0
+    tokens: int = 0  # real tokens (all roles)
+    model_tokens: int = 0  # tokens with loss
+    truncated: int = 0  # sequences cut at seq_len
+
+
+def build_batch(
+    episodes: Sequence[Episode],
+    advantages: Sequence[float],
+    *,
+    seq_len: int,
+    rows_multiple: int,
+    aggregation: str,
+) -> tuple[dict[str, np.ndarray], BatchStats]:
+    """Training rows (``grpo.RL_BATCH_KEYS`` except ``old_logprobs``) from episodes.
+
+    Args:
+      episodes: graded episodes to train on (zero-advantage ones may be left out).
+      advantages: one per episode.
+      seq_len: row length.
+      rows_multiple: the row count is a multiple of this.
+      aggregation: ``token_mean`` or ``sequence_mean`` (see ``grpo``).
+    """
+    stats = BatchStats()
+    sequences = []
+    for episode, advantage in zip(episodes, advantages):
+        traj = episode.trajectory
+        for s in range(len(traj.segment_starts)):
+            tokens, mask, logprobs = traj.segment(s)
+            if len(tokens) < 2:
+                continue
+            if len(tokens) - 1 > seq_len:
+                stats.truncated += 1
+                tokens, mask, logprobs = (
+                    tokens[: seq_len + 1],
+                    mask[: seq_len + 1],
+                    logprobs[: seq_len + 1],
+                )
+            sequences.append((tokens, mask, logprobs, float(advantage)))
+    # First-fit decreasing packing into rows of seq_len positions.
+    order = sorted(range(len(sequences)), key=lambda i: -(len(sequences[i][0]) - 1))
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        need = len(sequences[i][0]) - 1
+        for r, space in enumerate(free):
+            if space >= need:
+                rows[r].append(i)
+                free[r] -= need
+                break
+        else:
+            rows.append([i])
+            free.append(seq_len - need)
+    num_rows = max(len(rows), 1)
+    num_rows = rows_multiple * 2 ** math.ceil(math.log2(max(num_rows / rows_multiple, 1)))
+    shape = (num_rows, seq_len)
+    out = {
+        "tokens": np.zeros(shape, np.int32),
+        "targets": np.zeros(shape, np.int32),
+        "loss_mask": np.zeros(shape, np.int32),
+        "segment_ids": np.zeros(shape, np.int32),
+        "positions": np.zeros(shape, np.int32),
+        "advantages": np.zeros(shape, np.float32),
+        "sampler_logprobs": np.zeros(shape, np.float32),
+        "ref_logprobs": np.zeros(shape, np.float32),
+    }
+    sequence_ids = np.zeros(shape, np.int64)
+    for r, members in enumerate(rows):
+        offset = 0
+        for k, i in enumerate(members):
+            tokens, mask, logprobs, advantage = sequences[i]
+            n = len(tokens) - 1
+            span = slice(offset, offset + n)
+            out["tokens"][r, span] = tokens[:-1]
+            out["targets"][r, span] = tokens[1:]
+            # The mask and log-prob belong to the predicted (target) token.
+            out["loss_mask"][r, span] = mask[1:]
+            lp = np.asarray(logprobs[1:], np.float64)
+            out["sampler_logprobs"][r, span] = np.where(np.isnan(lp), 0.0, lp)
+            out["segment_ids"][r, span] = k + 1
+            out["positions"][r, span] = np.arange(n)
+            out["advantages"][r, span] = advantage
+            sequence_ids[r, span] = i + 1
+            offset += n
+            stats.tokens += n
+            stats.model_tokens += int(np.sum(mask[1:]))
+    out["token_weight"] = grpo.token_weights(out["loss_mask"], sequence_ids, aggregation)
+    stats.sequences, stats.rows = len(sequences), num_rows
+    return out, stats
+
+
+class RLTrainer:
+    """GRPO on the trainer mesh, starting from a stage checkpoint (weights only).
+
+    Args:
+      model_config: the policy's model config.
+      cfg: the run's config (``rl``, ``optimizer`` and ``mesh`` sections).
+      init_from: checkpoint to start from (the SFT stage's) when ``state_dir`` is empty.
+      state_dir: the RL trainer's own checkpoints (resume).
+      policy_dir: where policy versions are published for the sampler.
+      metadata: extra checkpoint metadata (tokenizer, ...).
+    """
+
+    def __init__(
+        self, model_config: ModelConfig, cfg, *, init_from, state_dir, policy_dir, metadata
+    ):
+        self.model_config = model_config
+        self.cfg = cfg
+        rl = cfg.rl
+        self.mesh = partitioning.make_mesh(cfg.mesh.ici.to_dict(), cfg.mesh.dcn.to_dict())
+        self.rules = partitioning.make_rules(cfg.mesh.rules_preset, cfg.mesh.rules.to_dict())
+        self.grpo = grpo.GRPOConfig.from_mapping(rl.grpo.to_dict())
+        updates = int(rl.num_steps) * int(rl.updates_per_batch)
+        self.tx = optim.make_optimizer(cfg.optimizer, updates)
+        self.schedule = optim.make_schedule(cfg.optimizer, updates)
+        self.abstract, self.shardings = step_lib.abstract_train_state(
+            model_config, self.tx, self.mesh, self.rules
+        )
+        self.batch_sharding = partitioning.logical_sharding(
+            ("act_batch", "act_length"), self.mesh, self.rules
+        )
+        sizes = dict(self.mesh.shape)
+        self.rows_multiple = int(np.prod([sizes[a] for a in partitioning.BATCH_AXES])) * int(
+            rl.microbatches
+        )
+        self.metadata = dict(metadata)
+        self.manager = checkpoints.CheckpointManager(
+            state_dir, keep_last=2, async_save=False, fallback_to_previous=True
+        )
+        self.policies = checkpoints.CheckpointManager(
+            policy_dir, keep_last=int(rl.keep_policies), async_save=False
+        )
+        self.extra: dict[str, Any] = {}
+        variables_target = {"params": self.abstract.params, "router": self.abstract.router}
+        with partitioning.use_mesh(self.mesh, self.rules):
+            if self.manager.latest_step() is not None:
+                _, variables, train, meta = self.manager.restore(
+                    variables_target, self.abstract.train_items()
+                )
+                self.state = step_lib.TrainState(
+                    step=train["step"],
+                    params=variables["params"],
+                    router=variables["router"],
+                    opt_state=train["opt_state"],
+                    skipped=train["skipped"],
+                )
+                self.extra = dict(meta.get("rl", {}))
+            else:
+                variables = checkpoints.restore_variables(init_from, variables_target)
+                init_opt = jax.jit(self.tx.init, out_shardings=self.shardings.opt_state)
+                replicated = partitioning.replicated(self.mesh)
+                self.state = step_lib.TrainState(
+                    step=jax.device_put(np.int32(0), replicated),
+                    params=variables["params"],
+                    router=variables["router"],
+                    opt_state=init_opt(variables["params"]),
+                    skipped=jax.device_put(np.int32(0), replicated),
+                )
+            batch_sh = {k: self.batch_sharding for k in grpo.RL_BATCH_KEYS}
+            self._update = jax.jit(
+                functools.partial(
+                    grpo.grpo_step,
+                    config=model_config,
+                    grpo=self.grpo,
+                    tx=self.tx,
+                    schedule=self.schedule,
+                    microbatches=int(rl.microbatches),
+                    loss_chunk=int(cfg.train.loss_chunk_size),
+                ),
+                in_shardings=(self.shardings, batch_sh),
+                out_shardings=(self.shardings, None),
+                donate_argnums=(0,),
+            )
+            variables_sh = {"params": self.shardings.params, "router": self.shardings.router}
+            self._logprobs = jax.jit(
+                functools.partial(
+                    grpo.logprobs_step,
+                    config=model_config,
+                    loss_chunk=int(cfg.train.loss_chunk_size),
+                ),
+                in_shardings=(variables_sh, {k: self.batch_sharding for k in step_lib.BATCH_KEYS}),
+                out_shardings=self.batch_sharding,
+            )
+
+    @property
+    def version(self) -> int:
+        """The policy version: optimizer updates so far."""
+        return int(jax.device_get(self.state.step))
+
+    def publish(self) -> str:
+        """Writes the current weights as policy ``version`` for the sampler(s)."""
+        version = self.version
+        if version not in self.policies.all_steps():
+            self.policies.save(
+                version, self.state.variables, metadata={**self.metadata, "step": version}
+            )
+            self.policies.wait()
+        return f"{self.policies.directory}/{version}"
+
+    def train(self, episodes: Sequence[Episode], advantages: Sequence[float]) -> dict[str, float]:
+        """GRPO updates on ``episodes`` (their advantages given); returns averaged metrics."""
+        rl = self.cfg.rl
+        slices = int(rl.updates_per_batch)
+        host, stats = build_batch(
+            episodes,
+            advantages,
+            seq_len=int(rl.train_seq_len),
+            rows_multiple=self.rows_multiple * slices,
+            aggregation=self.grpo.aggregation,
+        )
+        with partitioning.use_mesh(self.mesh, self.rules):
+            put = lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x)
+            device = {k: put(v) for k, v in host.items()}
+            old = self._logprobs(self.state.variables, {k: device[k] for k in step_lib.BATCH_KEYS})
+            host["old_logprobs"] = np.asarray(jax.device_get(old), np.float32)
+            rows = host["tokens"].shape[0] // slices
+            collected = []
+            for i in range(slices):
+                part = {k: v[i * rows : (i + 1) * rows] for k, v in host.items()}
+                # Each slice's weights sum to its share, so slices weigh as in one update.
+                part["token_weight"] = part["token_weight"] * slices
+                part = {k: put(v) for k, v in part.items()}
+                self.state, metrics = self._update(self.state, part)
+                collected.append(metrics)
+        host_metrics = jax.device_get(collected)
+        out = {k: float(np.mean([m[k] for m in host_metrics])) for k in host_metrics[0]}
+        out.update(
+            {
+                "train_sequences": stats.sequences,
+                "train_rows": stats.rows,
+                "train_tokens": stats.tokens,
+                "train_model_tokens": stats.model_tokens,
+                "train_truncated": stats.truncated,
+            }
+        )
+        return out
+
+    @property
+    def batches_done(self) -> int:
+        """Rollout batches consumed so far (the RL step; some may not have updated)."""
+        return int(self.extra.get("next_rollout", 0))
+
+    def save(self, extra: dict[str, Any]) -> None:
+        """Checkpoints the trainer (weights, optimizer, version) with the loop's cursor.
+
+        Checkpoints are numbered by rollout batches consumed (``extra["next_rollout"]``):
+        a batch without signal consumes a step without changing the policy version.
+        """
+        self.extra = dict(extra)
+        self.manager.save(
+            self.batches_done,
+            self.state.variables,
+            self.state.train_items(),
+            metadata={**self.metadata, "step": self.version, "rl": self.extra},
+        )
+        self.manager.wait()
+
+    def close(self) -> None:
+        self.manager.close()
+        self.policies.close()

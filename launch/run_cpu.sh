@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The whole recipe on this machine, on the built-in tiny default: installs what it
+# needs (idempotently: Debian packages for the sandbox, .venv), prints the model
+# summary, then runs pretrain -> long-context -> SFT -> RL -> eval on the embedded
+# standard-library corpus and the tiny task family.
+#   bash launch/run_cpu.sh [WORKDIR] [--config.x=y ...]
+# WORKDIR defaults to workdirs/tiny-<timestamp>; an existing one is resumed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash launch/install_system_deps.sh
+source launch/venv.sh "hf,test"
+set -euo pipefail
+workdir="workdirs/tiny-$(date +%Y%m%d-%H%M%S)"
+if [ $# -gt 0 ] && [[ "$1" != --* ]]; then
+  workdir="$1"
+  shift
+fi
+export JAX_PLATFORMS=cpu
+python -m cursor_rl.tools.model_summary --config=configs/tiny.py | grep -v "^  \['"
+python -m cursor_rl.main --config=configs/tiny.py --workdir="$workdir" "$@"
+echo "workdir: $workdir (report: $workdir/report.md)"
