@@ -100,7 +100,10 @@ def _rl_defaults() -> ml_collections.ConfigDict:
     rl.max_staleness = 1  # accept rollouts at most this many policy versions old
     rl.tool_workers = 2  # sandbox worker processes
     rl.keep_policies = 3  # published policy versions kept on disk
-    rl.rollout = ml_collections.ConfigDict(dataclasses.asdict(RolloutConfig()))
+    rollout = dataclasses.asdict(RolloutConfig())
+    for shared in ("system_prompt", "tools_style"):  # from the harness section
+        rollout.pop(shared)
+    rl.rollout = ml_collections.ConfigDict(rollout)
     rl.reward = ml_collections.ConfigDict(dataclasses.asdict(RewardConfig()))
     rl.grpo = ml_collections.ConfigDict(dataclasses.asdict(GRPOConfig()))
     rl.sampler = ml_collections.ConfigDict()
@@ -184,6 +187,20 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint.keep_every = 0  # also keep every K-th step forever (0 = off)
     c.checkpoint.async_save = True
     c.checkpoint.fallback_to_previous = True  # a corrupt latest checkpoint -> use the one before
+
+    # The agent harness, shared by SFT demonstrations and RL episodes.
+    from cursor_rl.env.harness import DEFAULT_SYSTEM_PROMPT
+
+    c.harness = ml_collections.ConfigDict()
+    c.harness.system_prompt = DEFAULT_SYSTEM_PROMPT
+    c.harness.tools_style = "json"  # json | compact (protocol.tools_prompt)
+
+    # SFT demonstrations generated for this run: the scripted solver on the run's
+    # training tasks (rl.tasks), in the harness; 0 = only data.sft_sources.
+    c.sft_data = ml_collections.ConfigDict()
+    c.sft_data.demos = 0
+    c.sft_data.plan = "full"  # full | short (cursor_rl.data.builtin_sft.plan_episode)
+    c.sft_data.workers = 2
 
     c.rl = _rl_defaults()
 

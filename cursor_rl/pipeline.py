@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 
 import jax
 import ml_collections
@@ -45,13 +47,68 @@ def _rl_row(r: dict) -> StageRow:
     return StageRow("rl", int(r.get("steps", 0)), None, train, ev, float(r.get("wall_s", 0.0)))
 
 
+def prepare_sft_data(config: ml_collections.ConfigDict, workdir: str) -> ml_collections.ConfigDict:
+    """Generates the run's SFT demonstrations (``sft_data``) if wanted; returns the config
+    whose SFT stage reads them.
+
+    The scripted solver runs on the run's training tasks (the RL stage's datasets,
+    built now if needed) in the real harness, with the run's system prompt and tool
+    listing, so SFT teaches exactly the episode format RL samples in.
+    """
+    n = int(config.sft_data.demos)
+    if n <= 0:
+        return config
+    path = os.path.join(workdir, "sft_data", "demos.jsonl")
+    if jax.process_index() == 0 and not os.path.exists(path):
+        from cursor_rl.data import builtin_sft
+        from cursor_rl.rl.loop import task_datasets
+        from cursor_rl.tasks import records
+
+        start = time.time()
+        train_dir, _ = task_datasets(config_lib.stage_config(config, "rl"), workdir)
+        tasks = records.load_tasks(os.path.join(train_dir, records.TASKS_FILE))[:n]
+        demos = list(
+            builtin_sft.demonstrations(
+                tasks,
+                dataset_dir=train_dir,
+                plan=config.sft_data.plan,
+                tools_style=config.harness.tools_style,
+                workers=int(config.sft_data.workers),
+                log=lambda line: None,
+            )
+        )
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        builtin_sft.write_demonstrations(path + ".tmp", demos)
+        os.replace(path + ".tmp", path)
+        print(
+            f"[sft_data] {len(demos)} demonstrations of {len(tasks)} tasks in "
+            f"{time.time() - start:.0f}s -> {path}",
+            flush=True,
+        )
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("sft_data")
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.stage_overrides.sft.data = {
+        **config.stage_overrides.sft.get("data", ml_collections.ConfigDict()).to_dict(),
+        "sft_sources": (path,),
+    }
+    return config
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> list[StageRow]:
     """Runs ``config.stage`` and writes the report; returns the summary rows."""
     if config.stage not in config_lib.PIPELINE_STAGES:
         raise ValueError(f"stage={config.stage!r} is not one of {config_lib.PIPELINE_STAGES}")
     rows: list[StageRow] = []
-    if config.stage == "all" or config.stage in config_lib.TRAIN_STAGES:
-        rows += [_train_row(r) for r in train_loop.run(config, workdir)]
+    train_stages = [s for s in config_lib.TRAIN_STAGES if config.stage in ("all", s)]
+    if train_stages:
+        train_loop.write_config(config, workdir)
+    for stage in train_stages:
+        if stage == "sft":
+            config = prepare_sft_data(config, workdir)
+        rows.append(_train_row(train_loop.run_stage(config, stage, workdir)))
     if config.stage in ("all", "rl"):
         from cursor_rl.rl import loop as rl_loop
 

@@ -353,3 +353,22 @@ def test_a_crashed_harness_leaves_nothing_behind(workspace, monkeypatch):
     with Sandbox(workspace) as sb:  # ... or the slot's next holder removes
         assert sb.slot == slot and sb.run("true", 10).exit_code == 0
     assert_clean(slot, stale_netns)
+
+
+def test_masked_paths_read_as_empty(workspace, tmp_path):
+    """A masked file reads empty and a masked directory lists empty (the stdlib copy
+    of a task's module); everything beside them stays readable; nothing is writable."""
+    tool = tmp_path / "toolchain"
+    (tool / "pkg").mkdir(parents=True)
+    (tool / "solution.py").write_text("SECRET = 1\n")
+    (tool / "pkg" / "tests.py").write_text("SECRET = 2\n")
+    (tool / "other.py").write_text("fine\n")
+    masked = [str(tool / "solution.py"), str(tool / "pkg"), str(tool / "missing.py")]
+    with Sandbox(workspace, readonly_paths=[str(tool)], masked_paths=masked) as sb:
+        assert sb.run(f"cat {tool}/other.py", 10).stdout == "fine\n"
+        shown = sb.run(f"cat {tool}/solution.py; ls -A {tool}/pkg; grep -r SECRET {tool}", 10)
+        assert "SECRET" not in shown.stdout and "tests.py" not in shown.stdout
+        assert sb.run(f"echo x > {tool}/solution.py", 10).exit_code != 0
+        assert sb.run(f"touch {tool}/pkg/new.py", 10).exit_code != 0
+    with pytest.raises(ValueError):
+        Sandbox(workspace, masked_paths=["relative"])

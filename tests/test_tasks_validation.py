@@ -151,10 +151,22 @@ def test_stdlib_task_validates_and_grades(tmp_path):
     with sandbox.Sandbox(workspace, **grading.sandbox_kwargs(record)) as sb:
         probe = sb.run("python -c 'import platform; print(platform.python_version())'; ls", 60)
     assert probe.stdout.split() == [record.environment["python_version"], "colorsys.py"]
-    # The interpreter's own copy of the module and its tests are recorded for masking.
+    # The interpreter's own copy of the module and its tests are masked in the sandbox:
+    # reading them (or their bytecode) shows nothing of the solution.
     hidden = record.environment["hidden_paths"]
     assert any(p.endswith("/colorsys.py") for p in hidden)
     assert any(p.endswith("/test/test_colorsys.py") for p in hidden)
+    with open(next(p for p in hidden if p.endswith("/colorsys.py"))) as f:
+        assert "maxc = max(r, g, b)" in f.read()  # on the host the copy is there
+    with sandbox.Sandbox(workspace, **grading.sandbox_kwargs(record)) as sb:
+        leaked = sb.run(
+            "cat " + " ".join(hidden) + "; python -c 'import inspect, colorsys; "
+            "print(inspect.getsource(colorsys.rgb_to_hls))' 2>&1; cd /tmp && python -c "
+            "'import inspect, colorsys; print(inspect.getsource(colorsys.rgb_to_hls))' 2>&1",
+            60,
+        )
+    assert "maxc" not in leaked.stdout, leaked.stdout  # the body (the workspace has a stub)
+    assert "has no attribute 'rgb_to_hls'" in leaked.stdout  # outside it: an empty module
     grading.apply_patch_files(record, workspace)
     with open(os.path.join(workspace, "colorsys.py")) as f:
         assert f.read() == repo.tree["colorsys.py"]

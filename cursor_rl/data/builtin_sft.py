@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import os
 import shlex
 import shutil
@@ -56,11 +57,8 @@ from cursor_rl.env import grader, harness, protocol, tools
 from cursor_rl.env.sandbox import Sandbox
 from cursor_rl.tasks import grading, records
 
-SYSTEM_PROMPT = (
-    "You are a coding agent working in a repository at /workspace. Use the tools to read "
-    "and search files, edit them and run commands. Check your change before you submit; "
-    "call submit when the task is done."
-)
+SYSTEM_PROMPT = harness.DEFAULT_SYSTEM_PROMPT
+PLANS = ("full", "short")
 _CHECK_ASSERTS = 3  # assertions of the FAIL_TO_PASS tests turned into the quick check
 
 
@@ -231,7 +229,10 @@ def _call(name: str, **arguments: Any) -> protocol.ToolCall:
 
 
 def plan_episode(
-    task: records.TaskRecord, start_tree: dict[str, str], solution: dict[str, str | None]
+    task: records.TaskRecord,
+    start_tree: dict[str, str],
+    solution: dict[str, str | None],
+    plan: str = "full",
 ) -> list[protocol.Message]:
     """The scripted agent's assistant turns for ``task`` (an oracle: it knows the patch).
 
@@ -239,10 +240,16 @@ def plan_episode(
       task: a task record with a ``solution_patch``.
       start_tree: the task's starting repository (path -> text).
       solution: the files the solution changes (``grading.solution_files``).
+      plan: ``full`` (read, reproduce, edit, re-check, submit) or ``short`` (read,
+        edit, submit: the shortest successful episode, for small models whose
+        contexts and budgets are small).
 
     Returns:
       The assistant messages, one per turn, ending with the ``submit`` call.
     """
+    if plan not in PLANS:
+        raise ValueError(f"plan={plan!r}: one of {PLANS}")
+    short = plan == "short"
     symbol, file = task.provenance.symbol, task.provenance.file
     check = _check_command(task)
     turns = []
@@ -252,7 +259,7 @@ def plan_episode(
         "refactor": f"Let me read `{file}` to find `{symbol}` and its uses.",
     }[task.category]
     turns.append(protocol.Message("assistant", opener, (_call("read_file", path=file),)))
-    if task.category in ("bug", "feature"):
+    if task.category in ("bug", "feature") and not short:
         turns.append(
             protocol.Message(
                 "assistant",
@@ -275,6 +282,9 @@ def plan_episode(
     }[task.category]
     turns.append(protocol.Message("assistant", explain, tuple(edits)))
     old_name = _renamed_symbol(task) if task.category == "refactor" else None
+    if short:
+        turns.append(protocol.Message("assistant", "Done. Submitting.", (_call("submit"),)))
+        return turns
     if old_name:
         turns.append(
             protocol.Message(
@@ -300,7 +310,12 @@ def plan_episode(
 
 
 def run_demonstration(
-    task: records.TaskRecord, chat: protocol.ChatFormat, *, dataset_dir: str = ""
+    task: records.TaskRecord,
+    chat: protocol.ChatFormat,
+    *,
+    dataset_dir: str = "",
+    plan: str = "full",
+    tools_style: str = "json",
 ) -> Demonstration:
     """Runs the scripted agent on ``task`` in a sandbox and grades the result.
 
@@ -308,6 +323,8 @@ def run_demonstration(
       task: a ``train``-split task record.
       chat: the chat format the episode runs in (choice 2).
       dataset_dir: the task dataset's directory (for ``dir`` snapshots).
+      plan: the solver's plan (``plan_episode``).
+      tools_style: how the system prompt lists the tools (``protocol.tools_prompt``).
 
     Returns:
       The demonstration (messages exactly as the harness rendered them).
@@ -320,10 +337,10 @@ def run_demonstration(
         workspace = os.path.join(root, "workspace")
         shutil.copytree(spec.pristine_repo, workspace)
         start_tree = records.read_tree(workspace)
-        turns = plan_episode(task, start_tree, grading.solution_files(task, workspace))
+        turns = plan_episode(task, start_tree, grading.solution_files(task, workspace), plan)
         specs = tools.TOOL_SPECS
         messages = [
-            protocol.Message("system", f"{SYSTEM_PROMPT}\n\n{protocol.tools_prompt(specs)}"),
+            protocol.Message("system", harness.system_message(SYSTEM_PROMPT, specs, tools_style)),
             protocol.Message("user", task.prompt),
         ]
         with Sandbox(workspace, **grading.sandbox_kwargs(task)) as sandbox:
@@ -333,6 +350,7 @@ def run_demonstration(
                 tools.Tools(sandbox).execute,
                 system=SYSTEM_PROMPT,
                 task=task.prompt,
+                tools_style=tools_style,
             )
             for turn in turns:
                 step = episode.step(chat.assistant_body(turn))
@@ -349,7 +367,10 @@ def run_demonstration(
         for j, c in enumerate(m.tool_calls)
         if c.name == "run_terminal"
     ][-1:]
-    check_passed = bool(last_check) and last_check[0].startswith("exit code: 0")
+    # The short plan runs no check: its closing words claim nothing to verify.
+    check_passed = plan == "short" or (
+        bool(last_check) and last_check[0].startswith("exit code: 0")
+    )
     return Demonstration(
         task.task_id, tuple(messages), result.resolved, check_passed, time.time() - start
     )
@@ -357,17 +378,43 @@ def run_demonstration(
 
 def demonstrations(
     tasks: Iterable[records.TaskRecord],
-    chat: protocol.ChatFormat,
+    chat: protocol.ChatFormat | None = None,
     *,
     dataset_dir: str = "",
     log: Any = print,
+    plan: str = "full",
+    tools_style: str = "json",
+    workers: int = 1,
 ) -> Iterator[Demonstration]:
-    """Runs ``run_demonstration`` over ``tasks``, yielding the usable ones."""
-    for task in tasks:
-        demo = run_demonstration(task, chat, dataset_dir=dataset_dir)
+    """Runs ``run_demonstration`` over ``tasks``, yielding the usable ones in task order.
+
+    With ``workers > 1`` episodes run in that many fresh interpreter processes
+    (``spawn``: the caller may have imported JAX, which must not be forked); each
+    builds its own ``harness_tokenizer`` chat format.
+    """
+    kwargs = dict(dataset_dir=dataset_dir, plan=plan, tools_style=tools_style)
+    if workers > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+            results = pool.map(functools.partial(_run_with_own_chat, **kwargs), tasks)
+            yield from _keep_usable(results, log)
+        return
+    chat = chat or protocol.ChatFormat(harness_tokenizer())
+    yield from _keep_usable((run_demonstration(t, chat, **kwargs) for t in tasks), log)
+
+
+def _run_with_own_chat(task: records.TaskRecord, **kwargs: Any) -> Demonstration:
+    return run_demonstration(task, protocol.ChatFormat(harness_tokenizer()), **kwargs)
+
+
+def _keep_usable(demos: Iterable[Demonstration], log: Any) -> Iterator[Demonstration]:
+    for demo in demos:
         verdict = "usable" if demo.usable else "dropped"
         verdict += f" (resolved={demo.resolved}, check_passed={demo.check_passed})"
-        log(f"{task.task_id}: {verdict} in {demo.seconds:.1f}s")
+        log(f"{demo.task_id}: {verdict} in {demo.seconds:.1f}s")
         if demo.usable:
             yield demo
 

@@ -42,6 +42,19 @@ from cursor_rl.env.tools import ToolResult
 
 Executor = Callable[[ToolCall | ToolCallError], ToolResult]
 
+# The preamble of the system prompt in SFT demonstrations and RL episodes alike (the
+# tool descriptions follow it): the policy sees the same words in both.
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a coding agent working in a repository at /workspace. Use the tools to read "
+    "and search files, edit them and run commands. Check your change before you submit; "
+    "call submit when the task is done."
+)
+
+
+def system_message(system: str, tools: Iterable[ToolSpec], style: str = "json") -> str:
+    """The system turn's text: the preamble, then the tools in ``style``."""
+    return f"{system}\n\n{tools_prompt(tools, style)}"
+
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
@@ -62,6 +75,7 @@ class AgentEpisode:
       system: the system prompt's preamble; the tool descriptions are appended.
       task: the user's task statement.
       max_turns: stop after this many assistant turns (None: no limit).
+      tools_style: how the system prompt lists the tools (``protocol.tools_prompt``).
     """
 
     def __init__(
@@ -73,6 +87,7 @@ class AgentEpisode:
         system: str,
         task: str,
         max_turns: int | None = None,
+        tools_style: str = "json",
     ):
         self.chat = chat
         self.tools = {spec.name: spec for spec in tools}
@@ -80,6 +95,7 @@ class AgentEpisode:
         self.max_turns = max_turns
         self.system = system
         self.task = task
+        self.tools_style = tools_style
         self.trajectory = Trajectory()
         self.turns = 0
         self.submitted = False
@@ -89,7 +105,7 @@ class AgentEpisode:
     def _start_window(self) -> None:
         chat, traj = self.chat, self.trajectory
         chat.start_segment(traj)
-        prompt = f"{self.system}\n\n{tools_prompt(self.tools.values())}"
+        prompt = system_message(self.system, self.tools.values(), self.tools_style)
         chat.append_message(traj, Message("system", prompt))
         chat.append_message(traj, Message("user", self.task))
 

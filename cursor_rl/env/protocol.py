@@ -173,20 +173,37 @@ class ToolSpec:
         }
 
 
-def tools_prompt(tools: Iterable[ToolSpec]) -> str:
+TOOL_PROMPT_STYLES = ("json", "compact")
+
+
+def tools_prompt(tools: Iterable[ToolSpec], style: str = "json") -> str:
     """Text for the system prompt that tells the model the call format and the tools.
 
     Args:
       tools: the tools the episode offers.
+      style: ``json``: each tool's full JSON schema (as function-calling APIs show
+        them); ``compact``: one line per tool, ``name(arg, optional?): what it does``,
+        a fifth of the tokens — for small models with short contexts.
 
     Returns:
       Plain text (the token names in it are encoded as ordinary characters; the
       model learns to emit the special tokens themselves).
     """
+    call = f'{CALL_OPEN}{{"name": "<tool>", "arguments": {{...}}}}{CALL_CLOSE}'
+    if style == "compact":
+        lines = []
+        for t in tools:
+            args = ", ".join(p.name + ("" if p.required else "?") for p in t.params)
+            lines.append(f"{t.name}({args}): {t.description.split('. ')[0].rstrip('.')}.")
+        return f"Call tools as {call}, one or more at the end of a message. Tools:\n" + "\n".join(
+            lines
+        )
+    if style != "json":
+        raise ValueError(f"tools prompt style {style!r}: one of {TOOL_PROMPT_STYLES}")
     schemas = "\n".join(json.dumps(t.json_schema(), ensure_ascii=False) for t in tools)
     return (
         "You can call tools. To call one, end your message with one or more calls, each "
-        f'written as {CALL_OPEN}{{"name": "<tool>", "arguments": {{...}}}}{CALL_CLOSE}. '
+        f"written as {call}. "
         "Each call's result comes back in its own tool turn, in order. The tools:\n" + schemas
     )
 

@@ -12,8 +12,11 @@ Each command runs as::
 Inside, the agent sees ``/workspace`` (read-write), read-only ``/usr`` and a curated
 ``/etc``, fresh ``/proc`` and ``/dev``, private ``/tmp`` and ``/dev/shm``, the
 harness's tools under ``/opt/harness`` and any ``readonly_paths`` (a toolchain).
-Nothing else of the host exists there: not the hidden tests, not other episodes,
-not the trainer's files, not the host's home.
+``masked_paths`` are covered inside: a file by an empty read-only file, a directory
+by an empty read-only tmpfs (a stdlib task's solution in the interpreter's own
+library, see ``cursor_rl.tasks.environments.stdlib_copies_of``). Nothing else of
+the host exists there: not the hidden tests, not other episodes, not the trainer's
+files, not the host's home.
 
 Design choices:
 
@@ -301,6 +304,9 @@ class Sandbox:
       readonly_paths: absolute host paths made visible read-only at the same path
         (a task's toolchain, e.g. a virtualenv and its base interpreter).
       env: extra environment variables for commands (over the scrubbed defaults).
+      masked_paths: absolute host paths visible through ``/usr`` or ``readonly_paths``
+        that must read as empty inside (a file becomes an empty file, a directory an
+        empty directory); paths that do not exist are ignored.
     """
 
     def __init__(
@@ -312,6 +318,7 @@ class Sandbox:
         hide_git_history: bool = True,
         readonly_paths: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        masked_paths: Sequence[str] = (),
     ):
         self.workspace = os.path.abspath(workspace)
         self.allow_hosts = tuple(allow_hosts)
@@ -321,6 +328,10 @@ class Sandbox:
             if not os.path.isabs(path) or os.path.realpath(path) == "/":
                 raise ValueError(f"readonly_paths entries must be absolute and not /: {path!r}")
         self.readonly_paths = tuple(readonly_paths)
+        for path in masked_paths:
+            if not os.path.isabs(path) or os.path.realpath(path) == "/":
+                raise ValueError(f"masked_paths entries must be absolute and not /: {path!r}")
+        self.masked_paths = tuple(masked_paths)
         self._extra_env = dict(env or {})
         self._exclude = fs.git_history if hide_git_history else fs.no_excludes
         self._lock_fd: int | None = None
@@ -516,6 +527,7 @@ class Sandbox:
             argv += ["--perms", "0755", "--dir", parent]
         for host, inside in binds:
             argv += ["--ro-bind-try" if host.startswith("/etc/") else "--ro-bind", host, inside]
+        argv += self._mask_args()
         argv += [
             "--bind", self.live_root, WORKDIR,
             "--chdir", WORKDIR,
@@ -530,6 +542,23 @@ class Sandbox:
             "--",
             "/bin/sh", "-c", cmd,
         ]  # fmt: skip
+        return argv
+
+    def _mask_args(self) -> list[str]:
+        """bwrap arguments covering ``masked_paths`` (after the binds they sit in)."""
+        argv = []
+        empty = os.path.join(self._state_dir, "empty")
+        if self.masked_paths and not os.path.exists(empty):
+            open(empty, "wb").close()
+            os.chmod(empty, 0o444)
+        for path in self.masked_paths:
+            # Both the path as given and where it resolves to (a symlinked lib dir).
+            for target in dict.fromkeys((os.path.normpath(path), os.path.realpath(path))):
+                if os.path.isdir(target):
+                    argv += ["--perms", "0555", "--size", "4096", "--tmpfs", target]
+                    argv += ["--remount-ro", target]
+                elif os.path.exists(target):
+                    argv += ["--ro-bind", empty, target]
         return argv
 
     def run(self, cmd: str, timeout_s: float, *, stdin: bytes = b"") -> CommandResult:

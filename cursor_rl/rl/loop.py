@@ -43,6 +43,7 @@ from cursor_rl.rl import grpo, rewards
 from cursor_rl.rl.rollout import Episode, RolloutConfig, RolloutRunner
 from cursor_rl.rl.trainer import RLTrainer
 from cursor_rl.tasks import records
+from cursor_rl.tasks import workdir as workdir_tasks
 from cursor_rl.train.metrics import MetricsWriter, Progress
 
 log = logging.getLogger(__name__)
@@ -175,13 +176,11 @@ class _Context:
 
 
 def _context(config: ml_collections.ConfigDict, workdir: str) -> _Context:
-    from cursor_rl.rl import tasks as rl_tasks
-
     cfg = config_lib.stage_config(config, "rl")
     tokenizer_file = os.path.join(workdir, "tokenizer", "tokenizer.json")
     tokenizer = Tokenizer.load(cfg.tokenizer.path or tokenizer_file)
     model_config = config_lib.model_config(cfg)
-    train_dir, bench_dir = rl_tasks.ensure_tasks(cfg, workdir)
+    train_dir, bench_dir = task_datasets(cfg, workdir)
     return _Context(
         cfg=cfg,
         workdir=workdir,
@@ -195,9 +194,27 @@ def _context(config: ml_collections.ConfigDict, workdir: str) -> _Context:
     )
 
 
+def task_datasets(cfg, workdir: str) -> tuple[str, str]:
+    """The run's train and bench task datasets (``rl.tasks``), built if needed."""
+    t = cfg.rl.tasks
+    return workdir_tasks.ensure_datasets(
+        workdir,
+        family=t.family,
+        train=t.train,
+        bench=t.bench,
+        train_count=int(t.train_count),
+        bench_count=int(t.bench_count),
+        seed=int(t.build_seed),
+        log=lambda line: log.info("[rl] %s", line),
+    )
+
+
 def _rollout_config(cfg) -> RolloutConfig:
-    values = cfg.rl.rollout.to_dict()
-    return RolloutConfig(**values)
+    return RolloutConfig(
+        **cfg.rl.rollout.to_dict(),
+        system_prompt=cfg.harness.system_prompt,
+        tools_style=cfg.harness.tools_style,
+    )
 
 
 def _sampler(ctx: _Context):

@@ -47,11 +47,6 @@ SUMMARY_INSTRUCTION = (
     "Your context is nearly full. Summarise your progress so far: what the task is, what "
     "you found, what you changed and what is left to do. Reply with the summary only."
 )
-SYSTEM_PROMPT = (
-    "You are a coding agent working in a repository at /workspace. Use the tools to read "
-    "and search files, edit them and run commands. Check your change before you submit; "
-    "call submit when the task is done."
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +61,8 @@ class RolloutConfig:
     max_summaries: int = 2
     summary_max_tokens: int = 256
     grade_workers: int = 2
-    system_prompt: str = SYSTEM_PROMPT
+    system_prompt: str = harness.DEFAULT_SYSTEM_PROMPT
+    tools_style: str = "json"  # how the system prompt lists the tools (protocol.tools_prompt)
 
 
 @dataclasses.dataclass
@@ -245,6 +241,7 @@ class RolloutRunner:
             system=self.config.system_prompt,
             task=task.prompt,
             max_turns=self.config.max_turns,
+            tools_style=self.config.tools_style,
         )
         episode = Episode(
             task_id=task.task_id,

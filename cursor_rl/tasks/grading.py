@@ -14,15 +14,12 @@ Pure Python, no JAX.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 import re
-import warnings
 from typing import Any
 
 from cursor_rl.env import grader
-from cursor_rl.env.sandbox import HARNESS_DIR, Sandbox
+from cursor_rl.env.sandbox import HARNESS_DIR
 from cursor_rl.tasks import environments, records
 
 _HUNK = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
@@ -66,28 +63,16 @@ def sandbox_kwargs(task: records.TaskRecord) -> dict[str, Any]:
     The task's interpreter is mounted and is the ``python`` on ``PATH`` (the agent
     tests with what grading uses). A stdlib task's ``hidden_paths`` (the interpreter's
     own copy of the module and of its tests, see ``environments.stdlib_copies_of``)
-    are passed as ``masked_paths`` when the sandbox supports masking; until then they
-    stay readable, and a warning says so once.
+    are masked (``Sandbox(masked_paths=...)``): inside they read as empty files.
     """
     env = environments.resolve(task.environment)
     bin_dir = os.path.dirname(env["python"])
     path = f"{HARNESS_DIR}/bin:{bin_dir}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
-    kwargs: dict[str, Any] = {"readonly_paths": tuple(env["readonly_paths"]), "env": {"PATH": path}}
-    hidden = tuple(env.get("hidden_paths", ()))
-    if hidden and "masked_paths" in inspect.signature(Sandbox).parameters:
-        kwargs["masked_paths"] = hidden
-    elif hidden:
-        _warn_unmasked()
-    return kwargs
-
-
-@functools.cache
-def _warn_unmasked() -> None:
-    warnings.warn(
-        "cursor_rl.env.sandbox.Sandbox has no masked_paths option: the interpreter's copy of "
-        "stdlib task modules and their tests stays readable inside episodes",
-        stacklevel=3,
-    )
+    return {
+        "readonly_paths": tuple(env["readonly_paths"]),
+        "env": {"PATH": path},
+        "masked_paths": tuple(env.get("hidden_paths", ())),
+    }
 
 
 def apply_patch_files(task: records.TaskRecord, workspace: str) -> None:

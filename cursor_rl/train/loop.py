@@ -448,13 +448,18 @@ def _install_sigterm_handler():
     return lambda: received["flag"]
 
 
+def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Writes ``WORKDIR/config.json`` (process 0), creating the workdir."""
+    root = epath.Path(workdir)  # a local directory or gs://
+    root.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        (root / "config.json").write_text(config.to_json_best_effort(indent=2), encoding="utf-8")
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> list[StageResult]:
     """Runs ``config.stage``: one next-token stage, or (``all``) the three in order."""
     stages = config_lib.TRAIN_STAGES if config.stage == "all" else (config.stage,)
     if config.stage != "all" and config.stage not in config_lib.TRAIN_STAGES:
         raise ValueError(f"stage={config.stage!r} is not one of {config_lib.TRAIN_STAGES}")
-    root = epath.Path(workdir)  # a local directory or gs://
-    root.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
-        (root / "config.json").write_text(config.to_json_best_effort(indent=2), encoding="utf-8")
+    write_config(config, workdir)
     return [run_stage(config, stage, workdir) for stage in stages]

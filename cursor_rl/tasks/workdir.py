@@ -1,0 +1,82 @@
+"""A run's task datasets: given paths, or built once into its workdir.
+
+Without explicit dataset directories, the family (``tiny`` by default) is built by
+the task factory (``cursor_rl.tasks.build``) into ``WORKDIR/tasks/{train,bench}``:
+the same generators, sandbox validation and records as any dataset. A finished
+build leaves its ``stats.json``; a directory without it (an interrupted build) is
+built again. The benchmark is decontaminated against the training tasks.
+
+Pure Python, no JAX.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+
+from cursor_rl.tasks import build, records
+
+
+def is_built(directory: str) -> bool:
+    """Whether ``directory`` holds a finished dataset build."""
+    return os.path.exists(os.path.join(directory, build.STATS_FILE)) and os.path.exists(
+        os.path.join(directory, records.TASKS_FILE)
+    )
+
+
+def ensure_datasets(
+    workdir: str,
+    *,
+    family: str = "tiny",
+    train: str = "",
+    bench: str = "",
+    train_count: int = 256,
+    bench_count: int = 64,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> tuple[str, str]:
+    """Directories of the train and bench datasets, building what is missing.
+
+    Args:
+      workdir: the run's workdir (datasets go to ``WORKDIR/tasks/<split>``).
+      family: the task source to build from (``tiny``, ``stdlib``, ...).
+      train, bench: existing dataset directories to use instead (must be built).
+      train_count, bench_count: tasks to build per split.
+      seed: the build seed.
+      log: progress messages.
+    """
+    train_dir = train or os.path.join(workdir, "tasks", "train")
+    bench_dir = bench or os.path.join(workdir, "tasks", "bench")
+    for split, directory, count, given in (
+        ("train", train_dir, train_count, bool(train)),
+        ("bench", bench_dir, bench_count, bool(bench)),
+    ):
+        if given:
+            if not is_built(directory):
+                raise FileNotFoundError(
+                    f"{directory} is not a task dataset (no {records.TASKS_FILE} and "
+                    f"{build.STATS_FILE}); build one with python -m cursor_rl.tasks.build"
+                )
+            continue
+        if is_built(directory):
+            continue
+        shutil.rmtree(directory, ignore_errors=True)
+        log(f"building {count} {family} {split} tasks into {directory}")
+        build.build(
+            build.BuildConfig(
+                source=family,
+                out=directory,
+                split=split,
+                count=count,
+                seed=seed,
+                max_per_repo=4,
+                # Tiny splits share templates: only a solution that occurs whole in the
+                # training tasks counts as contamination (see cursor_rl.tasks.build).
+                decontaminate_against=train_dir if split == "bench" else "",
+                decontaminate_threshold=0.99 if family == "tiny" else 0.5,
+                workers=1,
+            ),
+            log=lambda line: None,
+        )
+    return train_dir, bench_dir
