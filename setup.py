@@ -20,6 +20,7 @@ _CORE = [
     "numpy>=2.0,<3",
     "absl-py>=2.1,<3",
     "tensorboardX>=2.6,<2.7",
+    "matplotlib>=3.8,<4",  # the run report's plots
 ]
 
 _EXTRAS = {
@@ -32,7 +33,10 @@ _EXTRAS = {
     "hf": ["torch==2.13.0", "transformers>=5.0,<6"],
     "seqio": ["seqio==0.0.20"],
     "xm": ["xmanager==0.8.5.post1"],
-    "test": ["pytest>=8,<10", "ruff>=0.17,<0.18", "matplotlib>=3.8,<4"],
+    # gs:// workdirs: epath writes the trainer's own files through gcsfs (Orbax/tensorstore
+    # need nothing extra). Add it to a pod's extras: `.[tpu,gcs]`.
+    "gcs": ["gcsfs>=2024.6"],
+    "test": ["pytest>=8,<10", "ruff>=0.17,<0.18"],
 }
 
 setuptools.setup(

@@ -50,19 +50,19 @@ def get_config(arg=None):
     c.model = config_lib.model_section(MODEL)
     c.tokenizer.vocab_size = MODEL.vocab_size
 
-    c.train.num_steps = 300
+    c.train.num_steps = 150
     c.train.batch_size = 16
     c.train.seq_len = 256
     c.train.log_every = 10
     c.train.eval_every = 100
     c.optimizer.learning_rate = 3e-3
     c.optimizer.warmup_steps = 20
-    c.checkpoint.every_steps = 100
+    c.checkpoint.every_steps = 50
 
     # (b) Long context: 4x the sequence length, YaRN factor 4 over the pretraining
     # length (DeepSeek-V3 sec. 4.3 extends the same way), lower learning rate.
     lc = c.stage_overrides.long_context
-    lc.train = dict(seq_len=1024, batch_size=4)
+    lc.train = dict(seq_len=1024, batch_size=4, num_steps=30)
     lc.model = dict(
         rope_scaling=dict(
             factor=4.0,
@@ -78,8 +78,35 @@ def get_config(arg=None):
 
     # (c) SFT on agent trajectories in the harness's chat/tool format.
     sft = c.stage_overrides.sft
-    sft.train = dict(seq_len=1024, batch_size=4)
+    sft.train = dict(seq_len=1024, batch_size=4, num_steps=150)
     sft.optimizer = dict(learning_rate=1e-3, warmup_steps=5)
+    # The harness lists its tools compactly (a short system prompt leaves the context
+    # to the episode), and SFT learns from the scripted solver's shortest plan (read,
+    # edit, submit) on the run's own training tasks.
+    c.harness.tools_style = "compact"
+    c.sft_data.demos = 128
+    c.sft_data.plan = "short"
+
+    # (d) RL on the tiny task family: groups of 8 episodes on 8 tasks per step.
+    rl = c.rl
+    rl.num_steps = 12
+    rl.tasks_per_step = 8
+    rl.train_seq_len = 1024
+    rl.tasks.train_count = 128
+    rl.tasks.bench_count = 48
+    rl.rollout.group_size = 8
+    rl.rollout.max_turns = 4
+    rl.rollout.max_new_tokens = 192
+    rl.rollout.token_budget = 640
+    rl.reward.token_budget = 640
+    rl.reward.max_tool_calls = 4
+    rl.sampler.num_slots = 32
+    rl.sampler.max_seq_len = 1024
+    rl.eval.every = 6
+    rl.eval.samples = 4
+    c.stage_overrides.rl.optimizer = dict(
+        learning_rate=2e-4, schedule="constant", warmup_steps=0, weight_decay=0.0
+    )
     return c
 
 

@@ -88,6 +88,20 @@ class RolloutStore:
             index += 1
         return index
 
+    def trained(self) -> int:
+        """Rollout files the trainer has consumed (trained on or dropped)."""
+        try:
+            with open(os.path.join(self.directory, "TRAINED"), encoding="utf-8") as fh:
+                return int(fh.read().strip() or 0)
+        except FileNotFoundError:
+            return 0
+
+    def mark_trained(self, count: int) -> None:
+        tmp = os.path.join(self.directory, "TRAINED.tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(str(count))
+        os.replace(tmp, os.path.join(self.directory, "TRAINED"))
+
     @property
     def done(self) -> bool:
         return os.path.exists(self.done_marker)
@@ -362,6 +376,7 @@ def _train_on(trainer: RLTrainer, ctx: _Context, store: RolloutStore, index: int
     row["policy_version"] = trainer.version
     writer.write("rl", index + 1, row)
     trainer.save({"next_rollout": index + 1})
+    store.mark_trained(index + 1)
     return row
 
 
@@ -465,8 +480,14 @@ def _run_sampler(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]:
         last_eval = version
         while not store.done:
             index = store.cursor()
-            # Stay at most max_staleness versions ahead of the trainer.
-            version = side.load_newest(max(0, index - int(rl.max_staleness)))
+            # Stay at most max_staleness rollout batches ahead of the trainer. (The
+            # policy version can trail the batches trained: a batch without signal
+            # takes no optimizer step.)
+            while store.trained() < index - int(rl.max_staleness) and not store.done:
+                time.sleep(0.5)
+            if store.done:
+                break
+            version = side.load_newest(0)
             episodes, info = side.rollouts(index)
             store.write(index, episodes, info)
             produced += 1
@@ -474,7 +495,7 @@ def _run_sampler(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]:
             if every > 0 and version - last_eval >= every:
                 side.evaluate("rl", version, writer)
                 last_eval = version
-        side.load_newest(int(rl.num_steps))
+        version = side.load_newest(0)
         if int(rl.eval.every) >= 0:
             side.evaluate("rl", int(rl.num_steps), writer)
     finally:

@@ -75,7 +75,7 @@ def ensure_datasets(
                 # training tasks counts as contamination (see cursor_rl.tasks.build).
                 decontaminate_against=train_dir if split == "bench" else "",
                 decontaminate_threshold=0.99 if family == "tiny" else 0.5,
-                workers=1,
+                workers=2,
             ),
             log=lambda line: None,
         )
