@@ -74,7 +74,9 @@ def _torch_model(config: ModelConfig, variables):
     net = DeepseekV3ForCausalLM(DeepseekV3Config(**hf_cfg))
     state = {
         name: torch.from_numpy(np.array(t, dtype=np.float32))
-        for name, t in hf_mapping.iter_hf_tensors(config, jax.device_get(variables))
+        for name, t in hf_mapping.iter_hf_tensors(
+            config, jax.device_get(variables), expert_layout="fused"
+        )
     }
     missing, unexpected = net.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if "rotary" not in m]:
@@ -114,7 +116,8 @@ def bench(name: str, config: ModelConfig, batch: int, seq: int, rounds: int, ste
         functools.partial(step.train_step, config=config, tx=tx, schedule=schedule),
         donate_argnums=(0,),
     )
-    state = {"s": step.init_state(variables, tx)}
+    # The train step donates its state: give it its own copy of the weights.
+    state = {"s": step.init_state(jax.tree.map(jnp.copy, variables), tx)}
 
     def jax_fwd_bwd():
         jax.block_until_ready(grad_fn(variables["params"]))

@@ -13,6 +13,11 @@ Hardware: 2 CPU cores (an 8-device mesh is emulated by the tests; the main job u
 the real CPU device). Model: 7.4M parameters (3.3M active), hidden 256, 4 layers
 (1 dense + 3 MoE with 8 routed experts top-2 and 1 shared), MLA with a 64-wide KV
 latent, vocabulary 2048 (byte-level BPE trained on the corpus).
+
+Expected result (measured on 2 shared CPU cores, see README "Figures"): held-out loss
+falls in pretraining and SFT; the SFT model uses the tool-call format but at this size
+and budget does not yet solve held-out tiny tasks (pass@1 0 of 192 episodes), so the
+RL steps here show the loop running, not learning.
 """
 
 from cursor_rl import config_lib
@@ -62,7 +67,7 @@ def get_config(arg=None):
     # (b) Long context: 4x the sequence length, YaRN factor 4 over the pretraining
     # length (DeepSeek-V3 sec. 4.3 extends the same way), lower learning rate.
     lc = c.stage_overrides.long_context
-    lc.train = dict(seq_len=1024, batch_size=4, num_steps=30)
+    lc.train = dict(seq_len=1024, batch_size=4, num_steps=40)
     lc.model = dict(
         rope_scaling=dict(
             factor=4.0,
@@ -74,7 +79,10 @@ def get_config(arg=None):
             truncate=True,
         ),
     )
-    lc.optimizer = dict(learning_rate=1e-3, warmup_steps=5)
+    # It continues at the pretraining's final learning rate (3e-4 = min_lr_ratio x 3e-3):
+    # a fresh optimizer at a higher rate first undoes progress (held-out loss measured
+    # 4.68 -> 4.90 in 20 steps at 2e-3).
+    lc.optimizer = dict(learning_rate=3e-4, warmup_steps=5)
 
     # (c) SFT on agent trajectories in the harness's chat/tool format.
     sft = c.stage_overrides.sft
@@ -84,16 +92,17 @@ def get_config(arg=None):
     # to the episode), and SFT learns from the scripted solver's shortest plan (read,
     # edit, submit) on the run's own training tasks.
     c.harness.tools_style = "compact"
-    c.sft_data.demos = 128
+    c.sft_data.demos = 96
     c.sft_data.plan = "short"
 
-    # (d) RL on the tiny task family: groups of 8 episodes on 8 tasks per step.
+    # (d) RL on the tiny task family: groups of 8 episodes on 4 tasks per step, the
+    # held-out benchmark evaluated before (the SFT checkpoint) and after.
     rl = c.rl
-    rl.num_steps = 12
-    rl.tasks_per_step = 8
+    rl.num_steps = 6
+    rl.tasks_per_step = 4
     rl.train_seq_len = 1024
-    rl.tasks.train_count = 128
-    rl.tasks.bench_count = 48
+    rl.tasks.train_count = 96
+    rl.tasks.bench_count = 32
     rl.rollout.group_size = 8
     rl.rollout.max_turns = 4
     rl.rollout.max_new_tokens = 192
@@ -102,7 +111,8 @@ def get_config(arg=None):
     rl.reward.max_tool_calls = 4
     rl.sampler.num_slots = 32
     rl.sampler.max_seq_len = 1024
-    rl.eval.every = 6
+    rl.eval.every = 0
+    rl.eval.num_tasks = 24
     rl.eval.samples = 4
     c.stage_overrides.rl.optimizer = dict(
         learning_rate=2e-4, schedule="constant", warmup_steps=0, weight_decay=0.0
