@@ -7,26 +7,12 @@ checkpoint (``sft/checkpoints/<step>``); ``tests/test_rl_loop.py`` writes both.
 The task datasets (2 train, 2 bench tiny tasks) are built into the workdir on first use.
 """
 
-from cursor_rl import config_lib
-from cursor_rl.model.config import ModelConfig
+from train_helpers import MICRO_MODEL
 
-MODEL = ModelConfig(
-    vocab_size=512,
-    hidden_size=32,
-    intermediate_size=64,
-    moe_intermediate_size=16,
-    num_layers=2,
-    num_heads=2,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=8,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    first_k_dense=1,
-    moe_block_size=16,
-    max_position_embeddings=2048,
-)
+from cursor_rl import config_lib
+
+# The trainer tests' micro model, with room for a chat vocabulary and whole episodes.
+MODEL = MICRO_MODEL.replace(vocab_size=512, max_position_embeddings=2048)
 
 
 def get_config(arg=None):

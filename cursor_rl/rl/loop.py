@@ -495,7 +495,7 @@ def _run_sampler(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]:
             if every > 0 and version - last_eval >= every:
                 side.evaluate("rl", version, writer)
                 last_eval = version
-        version = side.load_newest(0)
+        side.load_newest(0)  # the final policy (published before DONE)
         if int(rl.eval.every) >= 0:
             side.evaluate("rl", int(rl.num_steps), writer)
     finally:
