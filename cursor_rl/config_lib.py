@@ -124,6 +124,8 @@ def _rl_defaults() -> ml_collections.ConfigDict:
     rl.tasks.train_count = 256
     rl.tasks.bench_count = 64
     rl.tasks.build_seed = 0
+    rl.tasks.generators = ()  # generator names to build with (empty: all registered)
+    rl.tasks.max_per_generator = 2  # tasks per repository and generator
     return rl
 
 
@@ -223,10 +225,20 @@ def _merge(base: ml_collections.ConfigDict, overrides: ml_collections.ConfigDict
 
 
 def stage_config(config: ml_collections.ConfigDict, stage: str) -> ml_collections.ConfigDict:
-    """The config one stage runs with: ``config`` + ``config.stage_overrides[stage]``."""
+    """The config one stage runs with: ``config`` + ``config.stage_overrides[stage]``.
+
+    The *model* overrides of earlier stages carry forward: a stage continues its
+    predecessor's checkpoint, so the architecture it was trained with (e.g. the
+    long-context stage's YaRN scaling) stays with the weights in SFT and RL. Every
+    other section (train, optimizer, data) is the stage's own.
+    """
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not one of {STAGES}")
     result = ml_collections.ConfigDict(config.to_dict())
     result.stage = stage
+    for earlier in STAGES[: STAGES.index(stage)]:
+        model = config.stage_overrides[earlier].get("model")
+        if model:
+            _merge(result.model, model, f"{earlier}.model.")
     _merge(result, config.stage_overrides[stage], f"{stage}.")
     return result

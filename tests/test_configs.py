@@ -66,3 +66,12 @@ def test_long_context_stage_raises_yarn_factor():
     lc = config_lib.model_config(lc_cfg)
     assert pre.rope_scaling is None and lc.rope_scaling.factor > 1
     assert lc_cfg.train.seq_len > config.train.seq_len
+    # SFT and RL continue the long-context weights: they keep its positional encoding
+    # (dropping it would move every position the long-context stage trained on).
+    for later in ("sft", "rl"):
+        model = config_lib.model_config(config_lib.stage_config(config, later))
+        assert model.rope_scaling == lc.rope_scaling, later
+    # ...while their own sections stay their own.
+    assert config_lib.stage_config(config, "sft").optimizer.learning_rate != (
+        lc_cfg.optimizer.learning_rate
+    )

@@ -19,7 +19,13 @@ def test_hunks_become_unique_edits_reproducing_the_solution():
     new = "def a():\n    return 2\n\n\ndef b():\n    return 1\n"
     patch = ["@@ -1,3 +1,3 @@\n", " def a():\n", "-    return 1\n", "+    return 2\n", " \n"]
     edits = builtin_sft._hunk_edits(old, new, patch)
-    assert edits == [("def a():\n    return 1\n\n", "def a():\n    return 2\n\n")]
+    # `    return 1` alone occurs twice: the line before it is the context that makes it
+    # unique; the unchanged blank line after it is dropped.
+    assert edits == [("def a():\n    return 1\n", "def a():\n    return 2\n")]
+    # A changed line that is unique on its own is the whole edit.
+    old2 = old.replace("def b():\n    return 1", "def b():\n    return 3")
+    new2 = new.replace("def b():\n    return 1", "def b():\n    return 3")
+    assert builtin_sft._hunk_edits(old2, new2, patch) == [("    return 1\n", "    return 2\n")]
     # A hunk whose text is not unique in the file falls back to replacing the file.
     ambiguous = ["@@ -2,1 +2,1 @@\n", "-    return 1\n", "+    return 2\n"]
     assert builtin_sft._hunk_edits(old, new, ambiguous) == [(old, new)]

@@ -123,6 +123,28 @@ def test_jsonl_source_reads_lazily_and_names_bad_lines(tmp_path):
         src[3]
 
 
+def test_tiny_source_is_train_split_modules_with_their_tests():
+    from cursor_rl.tasks import splits, tiny
+
+    source = sources.open_source("tiny:5")
+    assert len(source) == 5 and len(sources.open_source("tiny")) == sources.TINY_DEFAULT_REPOS
+    seeds = list(splits.tiny_seeds("train")[:5])
+    for index, seed in enumerate(seeds):
+        doc = source[index]
+        repo = tiny.tiny_repo(seed)
+        (module,) = repo.target_files
+        # The module first, then its tests, each under its file name: tests call the
+        # functions defined above (what teaches a small model to copy names).
+        assert doc["text"].index(f"# {module}\n") < doc["text"].index(f"# test_{module}\n")
+        assert repo.tree[module] in doc["text"] and repo.tree[f"test_{module}"] in doc["text"]
+        assert doc["id"] == repo.name
+    # No benchmark module can be a document: the seed ranges are disjoint.
+    assert not any(seed in splits.tiny_seeds("bench") for seed in seeds)
+    for bad in ("tiny:x", "tiny:0"):
+        with pytest.raises(ValueError, match="tiny"):
+            sources.open_source(bad)
+
+
 def test_prepare_writes_array_record_shards_the_pipeline_reads(tmp_path):
     corpus = tmp_path / "src"
     corpus.mkdir()

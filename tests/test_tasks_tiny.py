@@ -1,6 +1,7 @@
 """The tiny family: seeded generation, tiny size, and the same build/grade path as real tasks."""
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
@@ -89,3 +90,27 @@ def test_tiny_build_produces_gradable_short_tasks(tmp_path):
         tiny.tiny_repo(0), config, seen=set(), lock=threading.Lock(), reference=reference
     )
     assert again.tasks == [] and [r["reason"] for r in again.rejections] == ["contaminated"]
+
+
+def test_run_datasets_pass_the_generator_choice_to_the_build(tmp_path, monkeypatch):
+    """``rl.tasks.generators`` / ``max_per_generator`` reach the task factory, and a
+    finished build is reused instead of rebuilt."""
+    from cursor_rl.tasks import workdir
+
+    seen = []
+
+    def fake_build(config, log):
+        seen.append(config)
+        os.makedirs(config.out, exist_ok=True)
+        for name in (build.STATS_FILE, records.TASKS_FILE):
+            open(os.path.join(config.out, name), "w").close()
+
+    monkeypatch.setattr(build, "build", fake_build)
+    kwargs = dict(generators=("remove_function_body",), max_per_generator=4, log=lambda _: None)
+    workdir.ensure_datasets(str(tmp_path), **kwargs)
+    assert [(c.split, c.generators, c.max_per_generator) for c in seen] == [
+        ("train", ("remove_function_body",), 4),
+        ("bench", ("remove_function_body",), 4),
+    ]
+    workdir.ensure_datasets(str(tmp_path), **kwargs)
+    assert len(seen) == 2

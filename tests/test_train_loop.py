@@ -119,6 +119,20 @@ def test_sigterm_writes_a_checkpoint_then_exits_cleanly(tmp_path):
     assert step is not None and 3 <= step < 200
 
 
+def test_sigterm_flag_is_only_installed_while_a_stage_trains():
+    """Between stages (task build, demonstrations, RL) SIGTERM must stop the run, not
+    set a flag no loop polls any more."""
+    original = signal.getsignal(signal.SIGTERM)
+    poll, restore = loop._install_sigterm_handler()
+    try:
+        assert signal.getsignal(signal.SIGTERM) is not original
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert poll()
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) is original
+
+
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (emulated) devices")
 def test_resume_on_a_different_mesh(tmp_path):
     """4 steps, then resume to 6: on the same mesh vs on another one (fsdp x expert)."""

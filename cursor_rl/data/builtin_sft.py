@@ -11,9 +11,10 @@ solver in place of the model. Every observation is what the tool really printed.
 
 The solver (``plan_episode``) behaves like a careful agent: it reads the file named
 in the task; for a bug or a missing feature it first runs a quick check that shows
-the failure; it edits the file (``edit_file`` with the reference solution's hunks);
-it runs the check again (for a rename it searches for leftovers of the old name);
-then it submits. The check is a ``python -c`` one-liner built from the assertions
+the failure; it edits the file (``edit_file`` with the reference solution's hunks,
+each cut to its changed lines plus the context that makes them unique); it runs
+the check again (for a rename it searches for leftovers of the old name); then it
+submits. The check is a ``python -c`` one-liner built from the assertions
 of the task's FAIL_TO_PASS tests — what an agent would write from the documented
 behaviour. Each demonstration is graded with the real grader and kept only if it
 resolves the task and its last check really passed (its closing words say so).
@@ -89,8 +90,37 @@ class Demonstration:
 # ---- the scripted solver -------------------------------------------------------------
 
 
+def _tight_edit(old: list[str], new: list[str], current: str) -> tuple[str, str] | None:
+    """The shortest (old_str, new_str) for one hunk whose old_str is unique in ``current``.
+
+    The hunk's context lines (shared by ``old`` and ``new``) are dropped, then given
+    back one at a time, the line before first, until ``old_str`` occurs exactly once:
+    the edit a careful agent writes (the changed line, plus context only to make it
+    unambiguous). None when even the whole hunk is not unique.
+    """
+    same = min(len(old), len(new))
+    pre = 0
+    while pre < same and old[pre] == new[pre]:
+        pre += 1
+    post = 0
+    while post < same - pre and old[-1 - post] == new[-1 - post]:
+        post += 1
+    lo, hi = pre, post  # context lines dropped at the start and at the end
+    while True:
+        old_str = "".join(old[lo : len(old) - hi])
+        if old_str and current.count(old_str) == 1:
+            return old_str, "".join(new[lo : len(new) - hi])
+        if lo == 0 and hi == 0:
+            return None
+        if lo > 0 and (lo >= hi or hi == 0):
+            lo -= 1
+        else:
+            hi -= 1
+
+
 def _hunk_edits(old_text: str, new_text: str, patch_lines: Sequence[str]) -> list[tuple[str, str]]:
-    """(old_str, new_str) per hunk of one file's diff; unique in the file or the whole file."""
+    """(old_str, new_str) per hunk of one file's diff (``_tight_edit``), or the whole file
+    when a hunk is ambiguous or the hunks do not reproduce the solution."""
     edits = []
     current = old_text
     i = 0
@@ -107,11 +137,11 @@ def _hunk_edits(old_text: str, new_text: str, patch_lines: Sequence[str]) -> lis
             if tag in (" ", "+"):
                 new.append(body)
             i += 1
-        old_str, new_str = "".join(old), "".join(new)
-        if not old_str or current.count(old_str) != 1:
+        edit = _tight_edit(old, new, current)
+        if edit is None:
             return [(current, new_text)] if current else [("", new_text)]
-        current = current.replace(old_str, new_str, 1)
-        edits.append((old_str, new_str))
+        current = current.replace(edit[0], edit[1], 1)
+        edits.append(edit)
     if current != new_text:  # the hunks did not reproduce the solution: replace the file
         return [(old_text, new_text)]
     return edits

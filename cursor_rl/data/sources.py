@@ -12,6 +12,8 @@ list them::
     files:GLOB[,GLOB...]        files; a directory means every *.py file under it
     jsonl:GLOB[,GLOB...]        one JSON object per line, text in ``text_field``
     array_record:GLOB[,...]     records written by ``prepare`` (JSON objects)
+    tiny[:N]                    N generated tiny-family modules of the train split
+                                (``cursor_rl.tasks.tiny``; 4096 by default)
 
 Design choices:
 
@@ -39,7 +41,12 @@ Design choices:
    large directory costs nothing until its documents are drawn.
 3. **JSONL lines are indexed by byte offset** once, then read on demand; a
    malformed line raises an error naming the file and line number.
-4. **Bytes that are not UTF-8 are skipped**, not decoded with replacement
+4. **Generated code of the task family, train split only** (``tiny``): each document
+   is one tiny module followed by its unit tests, the code the tiny RL tasks are cut
+   from. The benchmark's modules come from a disjoint seed range
+   (``cursor_rl.tasks.splits``), so no benchmark module is ever a document. At
+   scale the same role is played by code of the repositories tasks come from.
+5. **Bytes that are not UTF-8 are skipped**, not decoded with replacement
    characters: a few CPython test files are deliberately in other encodings, and
    U+FFFD noise teaches the model nothing.
 
@@ -70,7 +77,8 @@ _TWINS: dict[str, tuple[str, ...]] = {
 # Directories never part of the stdlib corpus (choice 1e).
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
-SOURCE_KINDS = ("stdlib", "files", "jsonl", "array_record")
+SOURCE_KINDS = ("stdlib", "files", "jsonl", "array_record", "tiny")
+TINY_DEFAULT_REPOS = 4096
 
 Document = dict[str, str]
 
@@ -220,6 +228,33 @@ class StdlibSource(FileSource):
         return texts
 
 
+class TinySource:
+    """Train-split tiny-family modules, each with its tests, generated on access."""
+
+    def __init__(self, count: int = TINY_DEFAULT_REPOS):
+        from cursor_rl.tasks import splits  # pure Python, like this module
+
+        seeds = splits.tiny_seeds("train")
+        if not 0 < count <= len(seeds):
+            raise ValueError(f"tiny:{count}: the count must be in 1..{len(seeds)}")
+        self._seeds = seeds[:count]
+        self.name = f"tiny:{count}"
+
+    def __len__(self) -> int:
+        return len(self._seeds)
+
+    def __getitem__(self, index: int) -> Document:
+        from cursor_rl.tasks import tiny
+
+        repo = tiny.tiny_repo(self._seeds[index], split="train")
+        parts = [f"# {path}\n{repo.tree[path]}" for path in sorted(repo.tree, key=_tests_last)]
+        return {"text": "\n".join(parts), "source": "tiny", "id": repo.name}
+
+
+def _tests_last(path: str) -> tuple[bool, str]:
+    return (os.path.basename(path).startswith("test_"), path)
+
+
 class JsonlSource:
     """JSONL files, one document per line, indexed by byte offset."""
 
@@ -349,12 +384,12 @@ def open_source(
     *,
     text_field: str = "text",
     exclude_modules: Sequence[str] | None = None,
-) -> FileSource | JsonlSource | ArrayRecordSource:
+) -> FileSource | JsonlSource | ArrayRecordSource | TinySource:
     """Opens the source named by a spec string (see the module docstring).
 
     Args:
-      spec: ``stdlib``, ``files:GLOBS``, ``jsonl:GLOBS`` or ``array_record:GLOBS``
-        (globs separated by commas).
+      spec: ``stdlib``, ``files:GLOBS``, ``jsonl:GLOBS``, ``array_record:GLOBS``
+        (globs separated by commas) or ``tiny[:COUNT]``.
       text_field: the JSON field holding the text (JSONL and ArrayRecord).
       exclude_modules: stdlib modules reserved for evaluation; None means
         ``cursor_rl.tasks.splits.BENCH_MODULES``.
@@ -365,6 +400,10 @@ def open_source(
     kind, _, arg = spec.partition(":")
     if kind not in SOURCE_KINDS:
         raise ValueError(f"unknown corpus source {spec!r}: the kind must be one of {SOURCE_KINDS}")
+    if kind == "tiny":
+        if arg and not arg.isdigit():
+            raise ValueError(f"corpus source {spec!r}: use tiny or tiny:COUNT")
+        return TinySource(int(arg) if arg else TINY_DEFAULT_REPOS)
     if kind == "stdlib":
         root = arg or None
         return StdlibSource(exclude_modules=exclude_modules, root=root)

@@ -34,6 +34,8 @@ def ensure_datasets(
     train_count: int = 256,
     bench_count: int = 64,
     seed: int = 0,
+    generators: tuple[str, ...] = (),
+    max_per_generator: int = 2,
     log: Callable[[str], None] = print,
 ) -> tuple[str, str]:
     """Directories of the train and bench datasets, building what is missing.
@@ -44,6 +46,8 @@ def ensure_datasets(
       train, bench: existing dataset directories to use instead (must be built).
       train_count, bench_count: tasks to build per split.
       seed: the build seed.
+      generators: generator names (empty: all registered), e.g. one category only.
+      max_per_generator: tasks per repository and generator.
       log: progress messages.
     """
     train_dir = train or os.path.join(workdir, "tasks", "train")
@@ -70,6 +74,8 @@ def ensure_datasets(
                 split=split,
                 count=count,
                 seed=seed,
+                generators=tuple(generators),
+                max_per_generator=max_per_generator,
                 max_per_repo=4,
                 # Tiny splits share templates: only a solution that occurs whole in the
                 # training tasks counts as contamination (see cursor_rl.tasks.build).

@@ -348,7 +348,7 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> St
         progress = Progress(stage, num_steps, enabled=is_main)
         flops_per_token = model_config.flops_per_token(int(cfg.train.seq_len))
         peak = peak_flops_per_device() * jax.device_count()
-        preempted = _install_sigterm_handler()
+        preempted, restore_sigterm = _install_sigterm_handler()
         start_step = int(jax.device_get(state.step))
         first_eval = last_eval = None
         last_loss = None
@@ -410,6 +410,7 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> St
                     manager.wait()
                     raise Preempted(f"[{stage}] SIGTERM: checkpoint {step} written")
         finally:
+            restore_sigterm()
             progress.finish()
             manager.close()
             writer.close()
@@ -435,17 +436,29 @@ def _agree(flag: bool) -> bool:
 
 
 def _install_sigterm_handler():
-    """Turns SIGTERM into a flag the loop polls (checkpoint, then a clean exit)."""
+    """Turns SIGTERM into a flag the loop polls (checkpoint, then a clean exit).
+
+    Returns the poll and a function restoring the previous handler: outside the
+    training loop (task builds, demonstrations, RL) SIGTERM keeps its usual effect
+    instead of being swallowed by a flag nobody reads.
+    """
     received = {"flag": False}
 
     def handler(signum, frame):
         del signum, frame
         received["flag"] = True
 
+    previous = None
     # Outside the main thread (e.g. under a test harness) no handler can be set.
     with contextlib.suppress(ValueError):
-        signal.signal(signal.SIGTERM, handler)
-    return lambda: received["flag"]
+        previous = signal.signal(signal.SIGTERM, handler)
+
+    def restore():
+        if previous is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGTERM, previous)
+
+    return (lambda: received["flag"]), restore
 
 
 def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
