@@ -112,7 +112,7 @@ def _tight_edit(old: list[str], new: list[str], current: str) -> tuple[str, str]
             return old_str, "".join(new[lo : len(new) - hi])
         if lo == 0 and hi == 0:
             return None
-        if lo > 0 and (lo >= hi or hi == 0):
+        if lo > 0 and lo >= hi:
             lo -= 1
         else:
             hi -= 1

@@ -246,13 +246,10 @@ class TinySource:
     def __getitem__(self, index: int) -> Document:
         from cursor_rl.tasks import tiny
 
-        repo = tiny.tiny_repo(self._seeds[index], split="train")
-        parts = [f"# {path}\n{repo.tree[path]}" for path in sorted(repo.tree, key=_tests_last)]
+        repo = tiny.tiny_repo(self._seeds[index])  # a train seed by construction
+        code = [path for path in sorted(repo.tree) if path not in repo.test_files]
+        parts = [f"# {path}\n{repo.tree[path]}" for path in (*code, *repo.test_files)]
         return {"text": "\n".join(parts), "source": "tiny", "id": repo.name}
-
-
-def _tests_last(path: str) -> tuple[bool, str]:
-    return (os.path.basename(path).startswith("test_"), path)
 
 
 class JsonlSource:

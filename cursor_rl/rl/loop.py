@@ -219,8 +219,8 @@ def task_datasets(cfg, workdir: str) -> tuple[str, str]:
         train_count=int(t.train_count),
         bench_count=int(t.bench_count),
         seed=int(t.build_seed),
-        generators=tuple(t.get("generators", ())),
-        max_per_generator=int(t.get("max_per_generator", 2)),
+        generators=tuple(t.generators),
+        max_per_generator=int(t.max_per_generator),
         log=lambda line: log.info("[rl] %s", line),
     )
 
