@@ -2,9 +2,11 @@
 
 Each ``configs/NAME.py`` builds on ``base_config()`` and returns a ConfigDict. A
 config holds every stage's settings; ``stage_overrides.<stage>`` holds what a
-stage changes relative to the rest (merged by ``stage_config``), so command-line
-overrides such as ``--config.train.num_steps=2`` apply to every stage of a
-pipeline run.
+stage changes relative to the rest (merged by ``stage_config``). A command-line
+override of a shared field such as ``--config.train.num_steps=2`` applies to every
+stage of the run, including stages whose ``stage_overrides`` set that field
+(``apply_command_line``); ``--config.stage_overrides.sft.train.num_steps=N`` changes
+one stage only.
 """
 
 from __future__ import annotations
@@ -222,6 +224,40 @@ def _merge(base: ml_collections.ConfigDict, overrides: ml_collections.ConfigDict
             _merge(base[key], value, f"{where}{key}.")
         else:
             base[key] = value
+
+
+def apply_command_line(
+    config: ml_collections.ConfigDict, overrides: dict[str, Any]
+) -> ml_collections.ConfigDict:
+    """Makes command-line overrides of shared fields win over the config's stage overrides.
+
+    ``--config.train.num_steps=20`` sets ``config.train.num_steps``, but a stage whose
+    ``stage_overrides`` also sets ``train.num_steps`` would silently keep its own value.
+    Here every such stage override takes the command-line value too, so the flag means
+    what it says for whichever stage runs. Overrides under ``stage_overrides.`` are
+    left as given (they already target one stage).
+
+    Args:
+      config: the loaded config, command-line values already applied (changed in place).
+      overrides: the command line's ``{dotted.path: value}``
+        (``ml_collections.config_flags.get_override_values``).
+
+    Returns:
+      ``config``.
+    """
+    for path, value in overrides.items():
+        if path.startswith("stage_overrides."):
+            continue
+        parts = path.split(".")
+        for stage in STAGES:
+            node = config.stage_overrides[stage]
+            for part in parts[:-1]:
+                node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+                if node is None:
+                    break
+            if isinstance(node, ml_collections.ConfigDict) and parts[-1] in node:
+                node[parts[-1]] = value
+    return config
 
 
 def stage_config(config: ml_collections.ConfigDict, stage: str) -> ml_collections.ConfigDict:

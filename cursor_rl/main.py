@@ -41,11 +41,13 @@ def main(argv):
     # Our progress at INFO; libraries (Orbax logs every save and restore) at WARNING.
     logging.getLogger("cursor_rl").setLevel(logging.INFO)
     absl_logging.set_verbosity(absl_logging.WARNING)
-    from cursor_rl import pipeline
+    from cursor_rl import config_lib, pipeline
     from cursor_rl.train.loop import Preempted
 
+    overrides = config_flags.get_override_values(flags.FLAGS["config"])
+    config = config_lib.apply_command_line(_CONFIG.value, overrides)
     try:
-        rows = pipeline.run(_CONFIG.value, _WORKDIR.value)
+        rows = pipeline.run(config, _WORKDIR.value)
     except Preempted as e:
         print(e, flush=True)
         sys.exit(0)

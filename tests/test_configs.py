@@ -75,3 +75,21 @@ def test_long_context_stage_raises_yarn_factor():
     assert config_lib.stage_config(config, "sft").optimizer.learning_rate != (
         lc_cfg.optimizer.learning_rate
     )
+
+
+def test_command_line_overrides_win_over_stage_overrides():
+    """`--config.train.num_steps=N` sets every stage's length, including stages whose
+    stage_overrides set their own (tiny's SFT stage does); per-stage flags stay per stage.
+    """
+    config = _load(os.path.join(ROOT, "configs", "tiny.py"))
+    assert config.stage_overrides.sft.train.num_steps != 7
+    config.train.num_steps = 7  # what the flag parser did with the command line
+    config.stage_overrides.long_context.train.seq_len = 512
+    config_lib.apply_command_line(
+        config,
+        {"train.num_steps": 7, "stage_overrides.long_context.train.seq_len": 512},
+    )
+    for stage in config_lib.TRAIN_STAGES:
+        assert config_lib.stage_config(config, stage).train.num_steps == 7, stage
+    assert config_lib.stage_config(config, "long_context").train.seq_len == 512
+    assert config_lib.stage_config(config, "sft").train.seq_len == 1024  # its own, untouched

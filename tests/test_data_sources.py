@@ -145,6 +145,28 @@ def test_tiny_source_is_train_split_modules_with_their_tests():
             sources.open_source(bad)
 
 
+def test_copy_source_repeats_a_line_of_corpus_identifiers():
+    source = sources.open_source("copy:20")
+    assert len(source) == 20 and len(sources.open_source("copy")) == sources.COPY_DEFAULT_DOCS
+    pool = set(source._identifiers())
+    assert len(pool) > 10_000  # high entropy: the repeat is predictable only by copying
+    lines = set()
+    for index in range(20):
+        doc = source[index]
+        first, second, rest = doc["text"].split("\n")
+        assert first == second and rest == "", doc["text"]  # the line, then the same line
+        words = first.split(" ")
+        assert 4 <= len(words) <= 16 and set(words) <= pool
+        assert doc == source[index]  # deterministic per index
+        lines.add(first)
+    assert len(lines) == 20
+    with pytest.raises(IndexError):
+        source[20]
+    for bad in ("copy:x", "copy:0"):
+        with pytest.raises(ValueError, match="copy"):
+            sources.open_source(bad)
+
+
 def test_prepare_writes_array_record_shards_the_pipeline_reads(tmp_path):
     corpus = tmp_path / "src"
     corpus.mkdir()

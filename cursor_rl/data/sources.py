@@ -14,6 +14,8 @@ list them::
     array_record:GLOB[,...]     records written by ``prepare`` (JSON objects)
     tiny[:N]                    N generated tiny-family modules of the train split
                                 (``cursor_rl.tasks.tiny``; 4096 by default)
+    copy[:N]                    N generated copy drills: a random line of the stdlib's
+                                identifiers, then the same line again (4096 by default)
 
 Design choices:
 
@@ -46,7 +48,20 @@ Design choices:
    from. The benchmark's modules come from a disjoint seed range
    (``cursor_rl.tasks.splits``), so no benchmark module is ever a document. At
    scale the same role is played by code of the repositories tasks come from.
-5. **Bytes that are not UTF-8 are skipped**, not decoded with replacement
+5. **Copy drills** (``copy``), an opt-in source for curriculum experiments: an
+   agent must copy names from its context (a file path from the task, a function
+   name from the file it read), and a model of a few million parameters trained for
+   a few hundred steps on code barely learns to (tiny model: 3 of 39 module names
+   copied after 150 steps, 14 of 39 after 500). Repeated random sequences are the
+   classic way induction heads are made to form (Olsson et al., 2022): each
+   document is a line of identifiers drawn uniformly from the stdlib corpus's, then
+   the same line again, whose second half is predictable only by copying.
+   Deterministic per index, pure text (tokenized like any document). Measured on
+   the tiny model (2-core CPU, 200 steps): mixed into stdlib + tiny code (~5-15%
+   of tokens) it did *not* make copying appear, so no config uses it by default; on
+   pure uniform-random-token repeats the same model copies after
+   100-150 steps with tied embeddings, not within 200 without.
+6. **Bytes that are not UTF-8 are skipped**, not decoded with replacement
    characters: a few CPython test files are deliberately in other encodings, and
    U+FFFD noise teaches the model nothing.
 
@@ -59,6 +74,8 @@ import glob
 import hashlib
 import json
 import os
+import random
+import re
 import sysconfig
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -77,10 +94,12 @@ _TWINS: dict[str, tuple[str, ...]] = {
 # Directories never part of the stdlib corpus (choice 1e).
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
-SOURCE_KINDS = ("stdlib", "files", "jsonl", "array_record", "tiny")
+SOURCE_KINDS = ("stdlib", "files", "jsonl", "array_record", "tiny", "copy")
 TINY_DEFAULT_REPOS = 4096
+COPY_DEFAULT_DOCS = 4096
 
 Document = dict[str, str]
+_IDENTIFIER = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]{2,30}\b")
 
 
 def default_excluded_modules() -> tuple[str, ...]:
@@ -252,6 +271,47 @@ class TinySource:
         return {"text": "\n".join(parts), "source": "tiny", "id": repo.name}
 
 
+class CopySource:
+    """Copy drills (choice 5): a line of identifiers, then the same line again.
+
+    The identifiers are drawn uniformly from those of the standard-library corpus
+    (benchmark modules excluded, like the ``stdlib`` source), so the repeat is
+    predictable only by copying: drawn from a low-entropy pool (e.g. made-up
+    syllables) a tiny model settles on the pool's statistics and never learns to
+    copy (measured: no copying after 150 steps on such drills alone).
+    """
+
+    def __init__(self, count: int = COPY_DEFAULT_DOCS, words: tuple[int, int] = (4, 16)):
+        if count < 1:
+            raise ValueError(f"copy:{count}: the count must be at least 1")
+        self._count = count
+        self._words = words
+        self._pool: list[str] | None = None
+        self.name = f"copy:{count}"
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _identifiers(self) -> list[str]:
+        if self._pool is None:
+            stdlib = StdlibSource()
+            names: set[str] = set()
+            for i in range(len(stdlib)):
+                document = stdlib[i]
+                if document is not None:
+                    names.update(_IDENTIFIER.findall(document["text"]))
+            self._pool = sorted(names)
+        return self._pool
+
+    def __getitem__(self, index: int) -> Document:
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        pool = self._identifiers()
+        rng = random.Random(f"copy:{index}")
+        line = " ".join(rng.choice(pool) for _ in range(rng.randint(*self._words)))
+        return {"text": f"{line}\n{line}\n", "source": "copy", "id": f"copy-{index:07d}"}
+
+
 class JsonlSource:
     """JSONL files, one document per line, indexed by byte offset."""
 
@@ -381,12 +441,12 @@ def open_source(
     *,
     text_field: str = "text",
     exclude_modules: Sequence[str] | None = None,
-) -> FileSource | JsonlSource | ArrayRecordSource | TinySource:
+) -> FileSource | JsonlSource | ArrayRecordSource | TinySource | CopySource:
     """Opens the source named by a spec string (see the module docstring).
 
     Args:
       spec: ``stdlib``, ``files:GLOBS``, ``jsonl:GLOBS``, ``array_record:GLOBS``
-        (globs separated by commas) or ``tiny[:COUNT]``.
+        (globs separated by commas), ``tiny[:COUNT]`` or ``copy[:COUNT]``.
       text_field: the JSON field holding the text (JSONL and ArrayRecord).
       exclude_modules: stdlib modules reserved for evaluation; None means
         ``cursor_rl.tasks.splits.BENCH_MODULES``.
@@ -397,9 +457,11 @@ def open_source(
     kind, _, arg = spec.partition(":")
     if kind not in SOURCE_KINDS:
         raise ValueError(f"unknown corpus source {spec!r}: the kind must be one of {SOURCE_KINDS}")
-    if kind == "tiny":
+    if kind in ("tiny", "copy"):
         if arg and not arg.isdigit():
-            raise ValueError(f"corpus source {spec!r}: use tiny or tiny:COUNT")
+            raise ValueError(f"corpus source {spec!r}: use {kind} or {kind}:COUNT")
+        if kind == "copy":
+            return CopySource(int(arg) if arg else COPY_DEFAULT_DOCS)
         return TinySource(int(arg) if arg else TINY_DEFAULT_REPOS)
     if kind == "stdlib":
         root = arg or None
