@@ -248,15 +248,13 @@ def apply_command_line(
     for path, value in overrides.items():
         if path.startswith("stage_overrides."):
             continue
-        parts = path.split(".")
+        *sections, field = path.split(".")
         for stage in STAGES:
             node = config.stage_overrides[stage]
-            for part in parts[:-1]:
-                node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
-                if node is None:
-                    break
-            if isinstance(node, ml_collections.ConfigDict) and parts[-1] in node:
-                node[parts[-1]] = value
+            for section in sections:
+                node = node.get(section) if isinstance(node, ml_collections.ConfigDict) else None
+            if isinstance(node, ml_collections.ConfigDict) and field in node:
+                node[field] = value
     return config
 
 

@@ -70,6 +70,7 @@ Pure Python and NumPy-free: no JAX import, so CPU-only workers can read data.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -271,44 +272,51 @@ class TinySource:
         return {"text": "\n".join(parts), "source": "tiny", "id": repo.name}
 
 
+@functools.cache
+def _stdlib_identifiers(exclude_modules: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The distinct identifiers of the stdlib corpus (once per process: ~1 s)."""
+    stdlib = StdlibSource(exclude_modules=exclude_modules)
+    names: set[str] = set()
+    for i in range(len(stdlib)):
+        document = stdlib[i]
+        if document is not None:
+            names.update(_IDENTIFIER.findall(document["text"]))
+    return tuple(sorted(names))
+
+
 class CopySource:
     """Copy drills (choice 5): a line of identifiers, then the same line again.
 
     The identifiers are drawn uniformly from those of the standard-library corpus
-    (benchmark modules excluded, like the ``stdlib`` source), so the repeat is
-    predictable only by copying: drawn from a low-entropy pool (e.g. made-up
+    (with the same reserved modules excluded as the ``stdlib`` source), so the repeat
+    is predictable only by copying: drawn from a low-entropy pool (e.g. made-up
     syllables) a tiny model settles on the pool's statistics and never learns to
     copy (measured: no copying after 150 steps on such drills alone).
     """
 
-    def __init__(self, count: int = COPY_DEFAULT_DOCS, words: tuple[int, int] = (4, 16)):
+    _WORDS = (4, 16)  # identifiers per line: the doubled line fits a 256-token row
+
+    def __init__(
+        self, count: int = COPY_DEFAULT_DOCS, exclude_modules: Sequence[str] | None = None
+    ):
         if count < 1:
             raise ValueError(f"copy:{count}: the count must be at least 1")
         self._count = count
-        self._words = words
-        self._pool: list[str] | None = None
+        self._exclude = None if exclude_modules is None else tuple(exclude_modules)
         self.name = f"copy:{count}"
 
     def __len__(self) -> int:
         return self._count
 
-    def _identifiers(self) -> list[str]:
-        if self._pool is None:
-            stdlib = StdlibSource()
-            names: set[str] = set()
-            for i in range(len(stdlib)):
-                document = stdlib[i]
-                if document is not None:
-                    names.update(_IDENTIFIER.findall(document["text"]))
-            self._pool = sorted(names)
-        return self._pool
+    def _identifiers(self) -> tuple[str, ...]:
+        return _stdlib_identifiers(self._exclude)
 
     def __getitem__(self, index: int) -> Document:
         if not 0 <= index < self._count:
             raise IndexError(index)
         pool = self._identifiers()
         rng = random.Random(f"copy:{index}")
-        line = " ".join(rng.choice(pool) for _ in range(rng.randint(*self._words)))
+        line = " ".join(rng.choice(pool) for _ in range(rng.randint(*self._WORDS)))
         return {"text": f"{line}\n{line}\n", "source": "copy", "id": f"copy-{index:07d}"}
 
 
@@ -461,7 +469,7 @@ def open_source(
         if arg and not arg.isdigit():
             raise ValueError(f"corpus source {spec!r}: use {kind} or {kind}:COUNT")
         if kind == "copy":
-            return CopySource(int(arg) if arg else COPY_DEFAULT_DOCS)
+            return CopySource(int(arg) if arg else COPY_DEFAULT_DOCS, exclude_modules)
         return TinySource(int(arg) if arg else TINY_DEFAULT_REPOS)
     if kind == "stdlib":
         root = arg or None
