@@ -74,6 +74,25 @@ def test_crash_costs_one_test(task, tmp_path):
     assert "crashed" in result.flags and not result.resolved
 
 
+def test_kill_all_in_a_test_cannot_end_the_run(task, tmp_path):
+    """kill(-1) from code under test finds no other process to kill (the runner is
+    exec'd, not a shell's child), so the run goes on and no test is charged a crash;
+    with a shell in between, the run was torn down during the sleep."""
+    body = (
+        "    import os, signal, time\n"
+        "    try:\n"
+        "        os.kill(-1, signal.SIGKILL)\n"
+        "    except ProcessLookupError:\n"
+        "        pass\n"
+        "    time.sleep(0.5)\n"
+        "    return a * b\n"
+    )
+    result = grade(task.spec(), agent_copy(task, tmp_path, body))
+    assert result.tests[testing.UNITTEST_F2P].status == "passed", result.tests
+    assert result.tests[testing.UNITTEST_P2P].status == "passed"
+    assert result.resolved and "crashed" not in result.flags
+
+
 def test_hang_costs_one_test(task, tmp_path):
     spec = task.spec(test_timeout_s=3)
     result = grade(spec, agent_copy(task, tmp_path, "    while True:\n        pass\n"))

@@ -277,7 +277,12 @@ def _run_group(
         for path in spec.python_path:
             cmd += ["--path", path]
         cmd += ["--", *remaining]
-        result = sb.run(shlex.join(cmd), timeout_s=budget, stdin=f"{nonce}\n".encode())
+        # exec: the runner replaces the shell, so no process of the sandbox's uid stands
+        # between it and the namespace's init. A test calling kill(-1) would otherwise kill
+        # that shell, bwrap would end the run, and whichever test was running then (often
+        # an innocent one after the culprit) would be charged with the crash.
+        line = "exec " + shlex.join(cmd)
+        result = sb.run(line, timeout_s=budget, stdin=f"{nonce}\n".encode())
         logs.append(result.stderr[-4000:])
         if result.timed_out:
             flags.add("timeout")
