@@ -219,8 +219,8 @@ def checkpoint_dir(workdir: str, stage: str) -> str:
     return os.path.join(workdir, stage, "checkpoints")
 
 
-def latest_checkpoint(directory: str) -> str | None:
-    """Path of the newest finalised checkpoint step under ``directory``, or None.
+def finalised_steps(directory: str) -> list[int]:
+    """The finalised checkpoint steps under ``directory``, ascending (none: empty).
 
     A finalised step is a directory named by its step number holding Orbax's commit
     marker (on local disks the rename from ``*.orbax-checkpoint-tmp-*`` is atomic too;
@@ -228,13 +228,18 @@ def latest_checkpoint(directory: str) -> str | None:
     """
     path = epath.Path(directory)
     if not path.is_dir():
-        return None
-    steps = [
+        return []
+    return sorted(
         int(child.name)
         for child in path.iterdir()
         if child.name.isdigit() and (child / _COMMIT_MARKER).exists()
-    ]
-    return os.path.join(directory, str(max(steps))) if steps else None
+    )
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """Path of the newest finalised checkpoint step under ``directory``, or None."""
+    steps = finalised_steps(directory)
+    return os.path.join(directory, str(steps[-1])) if steps else None
 
 
 def _step_path(path: str) -> str:
