@@ -7,23 +7,9 @@ import pytest
 
 from cursor_rl import checkpoints, model
 from cursor_rl.eval import probes
-from cursor_rl.model.config import ModelConfig
+from tests.train_helpers import MICRO_MODEL
 
-CONFIG = ModelConfig(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    moe_intermediate_size=16,
-    num_layers=2,
-    num_heads=2,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=8,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    first_k_dense=1,
-)
+CONFIG = MICRO_MODEL
 
 
 def test_rows_repeat_varying_lengths_and_score_only_predictable_tokens():
