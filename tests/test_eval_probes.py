@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from cursor_rl import checkpoints, model
+from cursor_rl.data.tokenizer import SPECIAL_TOKENS
 from cursor_rl.eval import probes
 from tests.train_helpers import MICRO_MODEL
 
@@ -59,6 +60,11 @@ def test_bad_row_settings_are_refused():
         probes.repeat_rows(100, min_len=9, max_len=8)
     with pytest.raises(ValueError, match="low"):
         probes.repeat_rows(10, low=9)
+    with pytest.raises(ValueError, match="high"):
+        probes.repeat_rows(10, low=0, high=11)
+    narrow = probes.repeat_rows(100, rows=2, low=40, high=50)
+    drawn = narrow["tokens"][narrow["segment_ids"] > 0]
+    assert drawn.min() >= 40 and drawn.max() < 50
 
 
 def test_a_saved_checkpoint_scores_as_its_variables(tmp_path):
@@ -66,12 +72,15 @@ def test_a_saved_checkpoint_scores_as_its_variables(tmp_path):
     direct = probes.copy_score(CONFIG, variables, rows=2, seq_len=64, max_len=20)
     # An untrained model is at chance: it has no reason to prefer the repeated token.
     assert direct["copy_accuracy"] < 0.1
-    assert direct["chance_accuracy"] == pytest.approx(1 / (CONFIG.vocab_size - 12))
+    assert direct["chance_accuracy"] == pytest.approx(1 / (CONFIG.vocab_size - len(SPECIAL_TOKENS)))
     stage_dir = tmp_path / "pretrain" / "checkpoints"
-    metadata = checkpoints.make_metadata(CONFIG, stage="pretrain", step=5)
-    checkpoints.save_variables(str(stage_dir), variables, metadata)
-    (path,) = probes.checkpoint_paths(str(tmp_path), "pretrain")
-    restored = probes.probe_checkpoint(path, rows=2, seq_len=64, max_len=20)
+    for step in (10, 9):
+        metadata = checkpoints.make_metadata(CONFIG, stage="pretrain", step=step)
+        checkpoints.save_variables(str(stage_dir), variables, metadata)
+    (stage_dir / "11").mkdir()  # no commit marker: not finalised, never probed
+    paths = probes.checkpoint_paths(str(tmp_path), "pretrain")
+    assert paths == [str(stage_dir / "9"), str(stage_dir / "10")]  # numeric order
+    restored = probes.probe_checkpoint(paths[-1], rows=2, seq_len=64, max_len=20)
     assert restored == pytest.approx(direct)
     with pytest.raises(FileNotFoundError, match="sft"):
         probes.checkpoint_paths(str(tmp_path), "sft")

@@ -22,8 +22,11 @@ Choices:
    is anything in the first half. ``copy_accuracy`` is the argmax hit rate and
    ``copy_nll`` the mean negative log-likelihood (nats) on the scored tokens. Chance
    is about ``1 / (vocab - low)`` accuracy and ``log(vocab - low)`` nats.
-3. **Special tokens are never drawn**: ids start at ``low`` (the tokenizer puts its
-   special tokens first).
+3. **Only ordinary trained ids are drawn**: ``[low, high)``. ``low`` defaults to the
+   number of special tokens, which a tokenizer trained here puts first; ``high`` to
+   the model's vocabulary. For a loaded HF tokenizer (special tokens elsewhere) or a
+   model vocabulary padded past the tokenizer's, pass the range that holds the
+   ordinary tokens.
 4. **Deterministic for a seed**, so two checkpoints are compared on the same rows.
 """
 
@@ -51,6 +54,7 @@ def repeat_rows(
     min_len: int = 8,
     max_len: int = 60,
     low: int = len(SPECIAL_TOKENS),
+    high: int | None = None,
     seed: int = 0,
 ) -> dict[str, np.ndarray]:
     """Packed rows of repeated random sequences (choice 1) and the scored positions.
@@ -64,8 +68,12 @@ def repeat_rows(
         raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
     if 2 * max_len + 1 > seq_len:
         raise ValueError(f"seq_len={seq_len} cannot hold a doubled sequence of {max_len}")
-    if not 0 <= low < vocab_size - 1:
-        raise ValueError(f"low={low} leaves no token ids below vocab_size={vocab_size}")
+    high = vocab_size if high is None else high
+    if not 0 <= low < high - 1 or high > vocab_size:
+        raise ValueError(
+            f"token ids [low={low}, high={high}) must hold at least two ids of the "
+            f"vocabulary of {vocab_size}"
+        )
     rng = np.random.default_rng(seed)
     out = {k: np.zeros((rows, seq_len), np.int32) for k in _KEYS}
     for row in range(rows):
@@ -74,7 +82,7 @@ def repeat_rows(
             n = int(rng.integers(min_len, max_len + 1))
             if start + 2 * n > seq_len:
                 break
-            half = rng.integers(low, vocab_size, n)
+            half = rng.integers(low, high, n)
             doc = np.concatenate([half, half])
             span = slice(start, start + 2 * n - 1)  # 2n tokens give 2n - 1 targets
             out["tokens"][row, span] = doc[:-1]
@@ -93,17 +101,18 @@ _forward = jax.jit(model.forward, static_argnums=0)  # once per (hashable) model
 
 def score(logits: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> dict[str, float]:
     """Argmax accuracy and mean NLL of ``targets`` where ``mask`` is 1 (choice 2)."""
-    logits = np.asarray(logits, np.float64)
-    top = logits.max(-1, keepdims=True)
-    log_z = top[..., 0] + np.log(np.exp(logits - top).sum(-1))
-    target_logit = np.take_along_axis(logits, targets[..., None], -1)[..., 0]
     keep = np.asarray(mask, bool)
     if not keep.any():
         raise ValueError("no scored positions")
-    hits = logits.argmax(-1) == targets
+    # Only the scored rows, in float64: [N, V] rather than [rows, seq, V].
+    logits = np.asarray(logits)[keep].astype(np.float64)
+    targets = np.asarray(targets)[keep]
+    top = logits.max(-1, keepdims=True)
+    log_z = top[:, 0] + np.log(np.exp(logits - top).sum(-1))
+    target_logit = np.take_along_axis(logits, targets[:, None], -1)[:, 0]
     return {
-        "copy_accuracy": float(hits[keep].mean()),
-        "copy_nll": float((log_z - target_logit)[keep].mean()),
+        "copy_accuracy": float((logits.argmax(-1) == targets).mean()),
+        "copy_nll": float((log_z - target_logit).mean()),
         "scored_tokens": int(keep.sum()),
     }
 
@@ -112,6 +121,7 @@ def copy_score(config: ModelConfig, variables: Any, **row_kwargs: Any) -> dict[s
     """The copy probe of ``variables`` (``repeat_rows`` arguments pass through)."""
     batch = repeat_rows(config.vocab_size, **row_kwargs)
     low = row_kwargs.get("low", len(SPECIAL_TOKENS))
+    high = row_kwargs.get("high") or config.vocab_size
     logits = _forward(
         config,
         variables,
@@ -120,7 +130,7 @@ def copy_score(config: ModelConfig, variables: Any, **row_kwargs: Any) -> dict[s
         segment_ids=jnp.asarray(batch["segment_ids"]),
     )
     result = score(np.asarray(logits), batch["targets"], batch["score_mask"])
-    return {**result, "chance_accuracy": 1.0 / (config.vocab_size - low)}
+    return {**result, "chance_accuracy": 1.0 / (high - low)}
 
 
 def checkpoint_paths(workdir: str, stage: str) -> list[str]:
@@ -149,6 +159,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("rows", 16, "Rows of repeated sequences.")
     flags.DEFINE_integer("seq_len", 256, "Row length.")
     flags.DEFINE_integer("seed", 0, "Row seed (the same rows for every checkpoint).")
+    flags.DEFINE_integer("min_len", 8, "Shortest random sequence.")
+    flags.DEFINE_integer("max_len", 60, "Longest random sequence (2 x max_len < seq_len).")
+    flags.DEFINE_integer("low", len(SPECIAL_TOKENS), "First token id drawn (choice 3).")
+    flags.DEFINE_integer("high", None, "One past the last id drawn; default the vocabulary.")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -160,8 +174,16 @@ def main(argv: Sequence[str]) -> None:
         paths += checkpoint_paths(f.workdir, f.stage)
     if not paths:
         raise app.UsageError("give --workdir (with --stage) or --checkpoint")
+    settings = dict(
+        rows=f.rows, seq_len=f.seq_len, seed=f.seed, min_len=f.min_len, max_len=f.max_len,
+        low=f.low, high=f.high,
+    )  # fmt: skip
+    try:  # bad settings are a usage error, before any checkpoint is read
+        repeat_rows(max(f.high or 0, f.low + 2), **{**settings, "rows": 1})
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
     for path in paths:
-        r = probe_checkpoint(path, rows=f.rows, seq_len=f.seq_len, seed=f.seed)
+        r = probe_checkpoint(path, **settings)
         print(
             f"{path}: copy_accuracy {r['copy_accuracy']:.3f} copy_nll {r['copy_nll']:.2f} "
             f"({r['scored_tokens']} tokens; chance {r['chance_accuracy']:.4f}, "
