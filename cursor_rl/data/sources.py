@@ -58,9 +58,10 @@ Design choices:
    the same line again, whose second half is predictable only by copying.
    Deterministic per index, pure text (tokenized like any document). Measured on
    the tiny model (2-core CPU, 200 steps): mixed into stdlib + tiny code (~5-15%
-   of tokens) it did *not* make copying appear, so no config uses it by default; on
-   pure uniform-random-token repeats the same model copies after
-   100-150 steps with tied embeddings, not within 200 without.
+   of tokens) it did *not* make copying appear, so no config uses it by default.
+   (Uniform random repeats of one fixed length are copied within 150 steps, but by
+   a fixed look-back; with varying lengths the model stays at chance:
+   ``cursor_rl.eval.probes``.)
 6. **Bytes that are not UTF-8 are skipped**, not decoded with replacement
    characters: a few CPython test files are deliberately in other encodings, and
    U+FFFD noise teaches the model nothing.

@@ -45,6 +45,18 @@ from cursor_rl import checkpoints, model
 from cursor_rl.data.tokenizer import SPECIAL_TOKENS
 from cursor_rl.model.config import ModelConfig
 
+DEFAULT_LOW = len(SPECIAL_TOKENS)  # choice 3: a tokenizer trained here puts them first
+_KEYS = ("tokens", "targets", "positions", "segment_ids", "score_mask")
+_forward = jax.jit(model.forward, static_argnums=0)  # once per (hashable) model config
+
+
+def check_lengths(seq_len: int, min_len: int, max_len: int) -> None:
+    """Raises ValueError unless ``[min_len, max_len]`` is a range whose doubles fit a row."""
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+    if 2 * max_len + 1 > seq_len:
+        raise ValueError(f"seq_len={seq_len} cannot hold a doubled sequence of {max_len}")
+
 
 def repeat_rows(
     vocab_size: int,
@@ -53,7 +65,7 @@ def repeat_rows(
     seq_len: int = 256,
     min_len: int = 8,
     max_len: int = 60,
-    low: int = len(SPECIAL_TOKENS),
+    low: int = DEFAULT_LOW,
     high: int | None = None,
     seed: int = 0,
 ) -> dict[str, np.ndarray]:
@@ -64,10 +76,7 @@ def repeat_rows(
       ``positions``, ``segment_ids`` (0 = padding) and ``score_mask`` (1 where the
       target is a repeat token after the repeat's first, choice 2).
     """
-    if not 1 <= min_len <= max_len:
-        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
-    if 2 * max_len + 1 > seq_len:
-        raise ValueError(f"seq_len={seq_len} cannot hold a doubled sequence of {max_len}")
+    check_lengths(seq_len, min_len, max_len)
     high = vocab_size if high is None else high
     if not 0 <= low < high - 1 or high > vocab_size:
         raise ValueError(
@@ -95,10 +104,6 @@ def repeat_rows(
     return out
 
 
-_KEYS = ("tokens", "targets", "positions", "segment_ids", "score_mask")
-_forward = jax.jit(model.forward, static_argnums=0)  # once per (hashable) model config
-
-
 def score(logits: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> dict[str, float]:
     """Argmax accuracy and mean NLL of ``targets`` where ``mask`` is 1 (choice 2)."""
     keep = np.asarray(mask, bool)
@@ -117,11 +122,17 @@ def score(logits: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> dict[str
     }
 
 
-def copy_score(config: ModelConfig, variables: Any, **row_kwargs: Any) -> dict[str, float]:
-    """The copy probe of ``variables`` (``repeat_rows`` arguments pass through)."""
-    batch = repeat_rows(config.vocab_size, **row_kwargs)
-    low = row_kwargs.get("low", len(SPECIAL_TOKENS))
-    high = row_kwargs.get("high") or config.vocab_size
+def copy_score(
+    config: ModelConfig,
+    variables: Any,
+    *,
+    low: int = DEFAULT_LOW,
+    high: int | None = None,
+    **row_kwargs: Any,
+) -> dict[str, float]:
+    """The copy probe of ``variables`` (other ``repeat_rows`` arguments pass through)."""
+    high = config.vocab_size if high is None else high
+    batch = repeat_rows(config.vocab_size, low=low, high=high, **row_kwargs)
     logits = _forward(
         config,
         variables,
@@ -161,7 +172,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("seed", 0, "Row seed (the same rows for every checkpoint).")
     flags.DEFINE_integer("min_len", 8, "Shortest random sequence.")
     flags.DEFINE_integer("max_len", 60, "Longest random sequence (2 x max_len < seq_len).")
-    flags.DEFINE_integer("low", len(SPECIAL_TOKENS), "First token id drawn (choice 3).")
+    flags.DEFINE_integer("low", DEFAULT_LOW, "First token id drawn (choice 3).")
     flags.DEFINE_integer("high", None, "One past the last id drawn; default the vocabulary.")
 
 
@@ -178,8 +189,8 @@ def main(argv: Sequence[str]) -> None:
         rows=f.rows, seq_len=f.seq_len, seed=f.seed, min_len=f.min_len, max_len=f.max_len,
         low=f.low, high=f.high,
     )  # fmt: skip
-    try:  # bad settings are a usage error, before any checkpoint is read
-        repeat_rows(max(f.high or 0, f.low + 2), **{**settings, "rows": 1})
+    try:  # bad lengths are a usage error, before any checkpoint is read
+        check_lengths(f.seq_len, f.min_len, f.max_len)
     except ValueError as e:
         raise app.UsageError(str(e)) from e
     for path in paths:
