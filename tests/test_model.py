@@ -263,3 +263,68 @@ def test_chunked_attention_equals_dot(variables):
     g1 = jax.grad(lambda p: loss(chunked, p))(variables["params"])
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_linear_equals_einsum_in_value_and_gradients():
+    """``linear`` flattens to one 2-D matmul; values and both gradients must equal the
+    einsum it replaces, for a multi-axis contraction (the o_proj form) too."""
+    from cursor_rl.model.layers import linear
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 3, 4, 5)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 5, 6)), jnp.float32)
+
+    def ours(x, w):
+        return jnp.sum(jnp.sin(linear(x, w, n_in=2)))
+
+    def reference(x, w):
+        return jnp.sum(jnp.sin(jnp.einsum("abhv,hvd->abd", x, w)))
+
+    np.testing.assert_allclose(
+        linear(x, w, n_in=2), jnp.einsum("abhv,hvd->abd", x, w), rtol=1e-5, atol=1e-5
+    )
+    for a, b in zip(jax.grad(ours, (0, 1))(x, w), jax.grad(reference, (0, 1))(x, w)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # The multi-axis output of a (d, h, k) kernel keeps its axes.
+    assert linear(x[..., 0, :], w[0].reshape(5, 2, 3)).shape == (2, 3, 2, 3)
+    assert linear(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), 2, jnp.float32).dtype == (
+        jnp.float32
+    )
+    with pytest.raises(ValueError, match="does not contract"):
+        linear(x, w)  # x's last axis (5) against w's first (4)
+
+
+def test_attention_equals_two_part_score_reference():
+    """The fused score product (rope key broadcast over heads and joined to the nope
+    key, head-major layout) equals the textbook MLA form: separate nope and rope
+    score products, causal and segment masks, softmax, weighted values."""
+    from cursor_rl.model.layers import _attention
+
+    rng = np.random.default_rng(1)
+    b, t, h, dn, r, dv = 2, 12, 3, 8, 4, 5
+    q_nope, k_nope = (jnp.asarray(rng.standard_normal((b, t, h, dn)), jnp.float32) for _ in "qk")
+    q_rope = jnp.asarray(rng.standard_normal((b, t, h, r)), jnp.float32)
+    k_rope = jnp.asarray(rng.standard_normal((b, t, r)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, t, h, dv)), jnp.float32)
+    segment_ids = jnp.asarray([[1] * 7 + [2] * 5, [1] * 12])
+    config = TINY.replace(qk_nope_head_dim=dn, qk_rope_head_dim=r, v_head_dim=dv)
+
+    def reference(q_nope, q_rope, k_nope, k_rope, v):
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope)
+        scores += jnp.einsum("bqhr,bkr->bhqk", q_rope, k_rope)
+        scores *= config.softmax_scale
+        mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
+        mask &= segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1)
+        return jnp.einsum("bhqk,bkhv->bqhv", probs, v)
+
+    def ours(q_nope, q_rope, k_nope, k_rope, v):
+        return _attention(config, q_nope, q_rope, k_nope, k_rope, v, segment_ids, jnp.arange(t))
+
+    args = (q_nope, q_rope, k_nope, k_rope, v)
+    np.testing.assert_allclose(ours(*args), reference(*args), rtol=1e-5, atol=1e-5)
+    cotangent = jnp.asarray(rng.standard_normal((b, t, h, dv)), jnp.float32)
+    g_ours = jax.vjp(ours, *args)[1](cotangent)
+    g_ref = jax.vjp(reference, *args)[1](cotangent)
+    for a, ref in zip(g_ours, g_ref):
+        np.testing.assert_allclose(a, ref, rtol=1e-4, atol=1e-5)

@@ -32,6 +32,23 @@ def kernel(
     return module.param(name, init, shape, config.jnp_param_dtype).astype(config.jnp_dtype)
 
 
+def linear(x: Array, w: Array, n_in: int = 1, out_dtype=None) -> Array:
+    """x [..., *K] times w [*K, *N] -> [..., *N], contracting x's last ``n_in`` axes.
+
+    The product is one 2-D matmul [M, K] x [K, N], so its gradients are 2-D too.
+    Autodiff of the einsum instead leaves the weight gradient as a dot that
+    contracts the batch and length axes together, which XLA:CPU runs about half
+    as fast (transposed copies, then a slow dot). ``out_dtype`` is the product's
+    type (default: x's), e.g. float32 logits.
+    """
+    lead, k_shape = x.shape[: x.ndim - n_in], w.shape[:n_in]
+    if x.shape[x.ndim - n_in :] != k_shape:
+        raise ValueError(f"linear: x {x.shape} does not contract with w {w.shape}")
+    k = math.prod(k_shape)
+    y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=out_dtype)
+    return y.reshape(*lead, *w.shape[n_in:])
+
+
 def constrain(x: Array, axes: tuple) -> Array:
     return nn.with_logical_constraint(x, axes)
 
@@ -170,10 +187,10 @@ class MLA(nn.Module):
         """Per-head query parts: nope [B, T, H, Dn] and rotated rope [B, T, H, R]."""
         c = self.config
         if c.q_lora_rank is None:
-            q = jnp.einsum("btd,dhk->bthk", x, self.q_proj)
+            q = linear(x, self.q_proj)
         else:
-            q_latent = self.q_a_norm(jnp.einsum("btd,dr->btr", x, self.q_a_proj))
-            q = jnp.einsum("btr,rhk->bthk", q_latent, self.q_b_proj)
+            q_latent = self.q_a_norm(linear(x, self.q_a_proj))
+            q = linear(q_latent, self.q_b_proj)
         q = constrain(q, BTHK)
         q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
         return q_nope, apply_rope(q_rope, rope, c.rope_interleave)
@@ -181,7 +198,7 @@ class MLA(nn.Module):
     def latents(self, x: Array, rope: Rope) -> tuple[Array, Array]:
         """What the KV cache stores: normed kv_latent [B, T, C] and rotated k_rope [B, T, R]."""
         c = self.config
-        kv = jnp.einsum("btd,dc->btc", x, self.kv_a_proj)
+        kv = linear(x, self.kv_a_proj)
         kv_latent = self.kv_a_norm(kv[..., : c.kv_lora_rank])
         k_rope = apply_rope(kv[..., None, c.kv_lora_rank :], rope, c.rope_interleave)[:, :, 0]
         return kv_latent, k_rope
@@ -191,7 +208,7 @@ class MLA(nn.Module):
         t = x.shape[1]
         q_nope, q_rope = self.queries(x, rope)
         kv_latent, k_rope = self.latents(x, rope)
-        kv = jnp.einsum("btc,chk->bthk", kv_latent, self.kv_b_proj)
+        kv = linear(kv_latent, self.kv_b_proj)
         kv = constrain(kv, BTHK)
         k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim :]
         chunk = c.attention_chunk_size
@@ -200,7 +217,7 @@ class MLA(nn.Module):
         else:
             out = _attention(c, q_nope, q_rope, k_nope, k_rope, v, segment_ids, jnp.arange(t))
         out = constrain(out, BTHK)
-        return jnp.einsum("bthv,hvd->btd", out, self.o_proj)
+        return linear(out, self.o_proj, n_in=2)
 
     def attend_cache(
         self, x: Array, rope: Rope, pools: PagedCache, layer: Array, step: CachedStep
@@ -228,10 +245,17 @@ class MLA(nn.Module):
 def _attention(c: ModelConfig, q_nope, q_rope, k_nope, k_rope, v, segment_ids, q_index):
     """Causal attention of queries at ``q_index`` [Tq] to every key [Tk], masked by segment.
 
-    Scores come from the two query parts; the rope key is shared by all heads.
+    The rope key is shared by all heads: it is broadcast and joined to the nope
+    key, so one product gives both parts of the scores. Inside, the layout is
+    head-major ([B, H, T, D]): every product then has its batch axes first, and
+    XLA:CPU runs it, and its gradients, without transposing the scores.
     """
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
-    scores += jnp.einsum("bqhr,bkr->bhqk", q_rope, k_rope, preferred_element_type=jnp.float32)
+    h = q_nope.shape[2]
+    q = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
+    k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], h, k_rope.shape[-1]))
+    k = jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1)
+    qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # [B, H, T, D]
+    scores = jnp.einsum("bhqd,bhkd->bhqk", qh, kh, preferred_element_type=jnp.float32)
     scores *= c.softmax_scale
     mask = q_index[:, None] >= jnp.arange(k_nope.shape[1])[None, :]
     mask = mask[None, None]
@@ -240,7 +264,7 @@ def _attention(c: ModelConfig, q_nope, q_rope, k_nope, k_rope, v, segment_ids, q
         mask = mask & (q_seg[:, None, :, None] == segment_ids[:, None, None, :])
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(c.jnp_dtype)
-    return jnp.einsum("bhqk,bkhv->bqhv", probs, v)
+    return jnp.swapaxes(jnp.einsum("bhqk,bhkv->bhqv", probs, vh), 1, 2)
 
 
 def _chunked_attention(c: ModelConfig, q_nope, q_rope, k_nope, k_rope, v, segment_ids, chunk):
@@ -279,6 +303,6 @@ class MLP(nn.Module):
         gate = kernel(self, "gate_proj", (d, self.hidden), ("embed", "mlp"), c)
         up = kernel(self, "up_proj", (d, self.hidden), ("embed", "mlp"), c)
         down = kernel(self, "down_proj", (self.hidden, d), ("mlp", "embed"), c)
-        h = jax.nn.silu(x @ gate) * (x @ up)
+        h = jax.nn.silu(linear(x, gate)) * linear(x, up)
         h = constrain(h, ("act_batch", "act_length", "act_mlp"))
-        return h @ down
+        return linear(h, down)

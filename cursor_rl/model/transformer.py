@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from cursor_rl import partitioning
 from cursor_rl.model.config import ModelConfig
 from cursor_rl.model.kv_cache import CachedStep, PagedCache
-from cursor_rl.model.layers import BTE, MLA, MLP, RMSNorm, Rope, constrain, rope_tables
+from cursor_rl.model.layers import BTE, MLA, MLP, RMSNorm, Rope, constrain, linear, rope_tables
 from cursor_rl.model.moe import MoE, update_router_bias
 
 Array = jax.Array
@@ -242,7 +242,7 @@ class Transformer(nn.Module):
 
 def project_logits(hidden: Array, head: Array) -> Array:
     """Logits float32 [..., V] from final hidden states [..., D] and the head [D, V]."""
-    logits = jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+    logits = linear(hidden, head, out_dtype=jnp.float32)
     if logits.ndim == 3:
         logits = constrain(logits, ("act_batch", "act_length", "act_vocab"))
     return logits
