@@ -194,6 +194,15 @@ def mesh_axis_size(mesh: Mesh | jax.sharding.AbstractMesh, axes: str | Sequence[
     return math.prod(shape.get(axis, 1) for axis in axes)
 
 
+def length_sharded() -> bool:
+    """Whether the mesh and rules current for tracing shard the sequence (``act_length``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return False
+    axes = dict(nn.get_logical_axis_rules()).get("act_length")
+    return axes is not None and mesh_axis_size(mesh, axes) > 1
+
+
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Iterator[Mesh]:
     """Makes ``mesh`` and ``rules`` current for tracing (jit, logical constraints, shard_map)."""

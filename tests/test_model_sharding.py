@@ -140,3 +140,52 @@ def test_expert_capacity_bounds_buffers_and_counts_drops(reference):
     np.testing.assert_allclose(roomy_logits, dropless_logits, atol=1e-6)
     assert float(tight_aux["dropped"].sum()) > 0
     assert not np.allclose(tight_logits, dropless_logits)
+
+
+@needs_8
+def test_linear_keeps_a_sharded_sequence_in_place():
+    """``linear`` flattens batch and length into one matmul dimension only when the
+    sequence is not sharded: under context parallelism (the ``long_context`` rules)
+    its forward and gradients need exactly the collectives of the einsum it
+    replaces, so no sequence all-gather is added; without a sequence axis it flattens."""
+    import re
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from cursor_rl.model.layers import linear
+
+    mesh = partitioning.make_mesh({"fsdp": 2, "context": 2, "tensor": 2})
+    x_spec = P("fsdp", "context", None)
+    x = jax.device_put(jnp.ones((8, 16, 32)), NamedSharding(mesh, x_spec))
+    w = jax.device_put(jnp.ones((32, 4, 8)), NamedSharding(mesh, P(None, "tensor", None)))
+    out = NamedSharding(mesh, P("fsdp", "context", "tensor", None))
+
+    def grads(f):
+        def loss(x, w):
+            return jnp.sum(jnp.sin(jax.lax.with_sharding_constraint(f(x, w), out)))
+
+        return jax.grad(loss, (0, 1))
+
+    def collectives(fn):  # (kind, elements moved) of each collective in the compiled step
+        text = jax.jit(fn).lower(x, w).compile().as_text()
+        found = re.findall(
+            r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all|collective-permute|"
+            r"reduce-scatter)\(",
+            text,
+        )
+        sizes = [np.prod([int(d) for d in dims.split(",") if d]) for dims, _ in found]
+        return sorted(zip([kind for _, kind in found], sizes))
+
+    def einsum(x, w):
+        return jnp.einsum("btd,dhk->bthk", x, w)
+
+    with partitioning.use_mesh(mesh, partitioning.rules_preset("long_context")):
+        assert partitioning.length_sharded()
+        assert collectives(grads(linear)) == collectives(grads(einsum))
+        np.testing.assert_allclose(jax.jit(linear)(x, w), einsum(x, w))
+    with partitioning.use_mesh(mesh, partitioning.DEFAULT_RULES):
+        assert not partitioning.length_sharded()
+        flat = jax.make_jaxpr(lambda x, w: linear(x, w))(x, w)  # a new function: no cached trace
+        assert any(eqn.params.get("new_sizes") == (128, 32) for eqn in flat.eqns), flat
+    assert not partitioning.length_sharded()  # no mesh: flatten

@@ -181,3 +181,19 @@ def test_later_stage_without_its_predecessor_is_a_clear_error(tmp_path):
     config.stage = "long_context"
     with pytest.raises(FileNotFoundError, match="pretrain"):
         loop.run(config, str(tmp_path))
+
+
+def test_layer_layout_mismatch_names_the_flag_that_fixes_it():
+    """A checkpoint with scanned layers cannot seed an unscanned model (or back):
+    the error says which layout each has and the override to use."""
+    from cursor_rl.model.config import ModelConfig
+
+    config = ModelConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        num_layers=2, num_heads=2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+        v_head_dim=4, n_routed_experts=4, num_experts_per_tok=2, first_k_dense=1,
+    )  # fmt: skip
+    meta = checkpoints.make_metadata(config, stage="pretrain")
+    loop._check_compatible(meta, config, "/ckpt/10")  # same layout: fine
+    with pytest.raises(ValueError, match=r"scanned layers .* unscanned.*scan_layers=True"):
+        loop._check_compatible(meta, config.replace(scan_layers=False), "/ckpt/10")

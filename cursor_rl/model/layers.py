@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cursor_rl import partitioning
 from cursor_rl.model.config import ModelConfig, yarn_mscale
 from cursor_rl.model.kv_cache import CachedStep, PagedCache, paged_attention
 
@@ -38,14 +39,17 @@ def linear(x: Array, w: Array, n_in: int = 1, out_dtype=None) -> Array:
     The product is one 2-D matmul [M, K] x [K, N], so its gradients are 2-D too.
     Autodiff of the einsum instead leaves the weight gradient as a dot that
     contracts the batch and length axes together, which XLA:CPU runs about half
-    as fast (transposed copies, then a slow dot). ``out_dtype`` is the product's
-    type (default: x's), e.g. float32 logits.
+    as fast (transposed copies, then a slow dot). When the sequence is sharded
+    (context parallelism) x keeps its leading axes: merging a sharded length axis
+    into M would make the partitioner all-gather the sequence. ``out_dtype`` is
+    the product's type (default: x's), e.g. float32 logits.
     """
     lead, k_shape = x.shape[: x.ndim - n_in], w.shape[:n_in]
     if x.shape[x.ndim - n_in :] != k_shape:
         raise ValueError(f"linear: x {x.shape} does not contract with w {w.shape}")
     k = math.prod(k_shape)
-    y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=out_dtype)
+    rows = (*lead, k) if partitioning.length_sharded() else (-1, k)
+    y = jnp.matmul(x.reshape(rows), w.reshape(k, -1), preferred_element_type=out_dtype)
     return y.reshape(*lead, *w.shape[n_in:])
 
 
@@ -242,22 +246,33 @@ class MLA(nn.Module):
         return jnp.einsum("bthv,hvd->btd", out, self.o_proj), pools
 
 
-def _attention(c: ModelConfig, q_nope, q_rope, k_nope, k_rope, v, segment_ids, q_index):
+def _head_major_keys(k_nope: Array, k_rope: Array, v: Array) -> tuple[Array, Array]:
+    """Keys [B, H, Tk, Dn + R] and values [B, H, Tk, Dv] for ``_attend``.
+
+    The rope key [B, Tk, R] is shared by all heads: it is broadcast and joined to
+    the nope key, so one product gives both parts of the scores. The broadcast
+    runs in float32, so its gradient (a sum over heads) accumulates in float32
+    under bf16 compute too.
+    """
+    h = k_nope.shape[2]
+    k_rope = jnp.broadcast_to(
+        k_rope.astype(jnp.float32)[:, :, None, :], (*k_rope.shape[:2], h, k_rope.shape[-1])
+    )
+    k = jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1)
+    return jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+
+
+def _attend(c: ModelConfig, q_nope, q_rope, kh, vh, segment_ids, q_index):
     """Causal attention of queries at ``q_index`` [Tq] to every key [Tk], masked by segment.
 
-    The rope key is shared by all heads: it is broadcast and joined to the nope
-    key, so one product gives both parts of the scores. Inside, the layout is
-    head-major ([B, H, T, D]): every product then has its batch axes first, and
+    Head-major inside ([B, H, T, D]): every product has its batch axes first, so
     XLA:CPU runs it, and its gradients, without transposing the scores.
     """
-    h = q_nope.shape[2]
     q = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
-    k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], h, k_rope.shape[-1]))
-    k = jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1)
-    qh, kh, vh = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # [B, H, T, D]
+    qh = jnp.swapaxes(q, 1, 2)
     scores = jnp.einsum("bhqd,bhkd->bhqk", qh, kh, preferred_element_type=jnp.float32)
     scores *= c.softmax_scale
-    mask = q_index[:, None] >= jnp.arange(k_nope.shape[1])[None, :]
+    mask = q_index[:, None] >= jnp.arange(kh.shape[2])[None, :]
     mask = mask[None, None]
     if segment_ids is not None:
         q_seg = jnp.take(segment_ids, q_index, axis=1)
@@ -267,15 +282,23 @@ def _attention(c: ModelConfig, q_nope, q_rope, k_nope, k_rope, v, segment_ids, q
     return jnp.swapaxes(jnp.einsum("bhqk,bhkv->bhqv", probs, vh), 1, 2)
 
 
+def _attention(c: ModelConfig, q_nope, q_rope, k_nope, k_rope, v, segment_ids, q_index):
+    """Attention of queries at ``q_index`` to keys and values [B, Tk, ...] -> [B, Tq, H, Dv]."""
+    kh, vh = _head_major_keys(k_nope, k_rope, v)
+    return _attend(c, q_nope, q_rope, kh, vh, segment_ids, q_index)
+
+
 def _chunked_attention(c: ModelConfig, q_nope, q_rope, k_nope, k_rope, v, segment_ids, chunk):
     """Memory-efficient attention: one query chunk at a time, recomputed in backward.
 
     Peak memory holds one chunk's scores [B, H, chunk, T] instead of [B, H, T, T]
     (Rabe & Staats, arXiv:2112.05682, with query chunking only); each chunk is
     ``jax.checkpoint``-ed so the backward pass does not keep every chunk's scores.
+    The head-major keys are built once, outside the chunks.
     """
     b, t, h, _ = q_nope.shape
     n = t // chunk
+    kh, vh = _head_major_keys(k_nope, k_rope, v)
 
     def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
         return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
@@ -283,7 +306,7 @@ def _chunked_attention(c: ModelConfig, q_nope, q_rope, k_nope, k_rope, v, segmen
     @jax.checkpoint
     def one(args):
         qn, qr, index = args
-        return _attention(c, qn, qr, k_nope, k_rope, v, segment_ids, index)
+        return _attend(c, qn, qr, kh, vh, segment_ids, index)
 
     indices = jnp.arange(t).reshape(n, chunk)
     out = jax.lax.map(one, (split(q_nope), split(q_rope), indices))  # [n, B, chunk, H, Dv]

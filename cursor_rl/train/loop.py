@@ -209,6 +209,13 @@ class _BatchPutter:
 def _check_compatible(meta: dict[str, Any], model_config: ModelConfig, where: str) -> None:
     """The checkpoint's parameters must have this stage's shapes (names the first that differs)."""
     saved_cfg = checkpoints.model_config_from_metadata(meta, where)
+    if saved_cfg.scan_layers != model_config.scan_layers:
+        layout = {True: "scanned", False: "unscanned"}
+        raise ValueError(
+            f"the checkpoint at {where} holds {layout[saved_cfg.scan_layers]} layers and this "
+            f"model is {layout[model_config.scan_layers]}: set "
+            f"--config.model.scan_layers={saved_cfg.scan_layers} to continue from it"
+        )
 
     def shapes(config):
         tree = partitioning.strip_axis_metadata(model.abstract_variables(config))
