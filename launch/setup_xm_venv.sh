@@ -20,9 +20,8 @@ fi
 if [ "$(cat "$venv/.cursor_rl_stamp" 2>/dev/null || true)" != "$stamp_want" ]; then
   echo "[xm venv] installing cursor_rl[xm] into $venv"
   start=$SECONDS
-  "$venv/bin/python" -m pip install -q --upgrade "pip>=24" 2>&1 | grep -v "is ignored" || true
-  "$venv/bin/python" -m pip install -q -c "$constraints" -e "${root}[xm]" 2>&1 \
-    | grep -v "is ignored" || true
+  bash "$root/launch/pip_install.sh" "$venv/bin/python" --upgrade "pip>=24"
+  bash "$root/launch/pip_install.sh" "$venv/bin/python" -c "$constraints" -e "${root}[xm]"
   "$venv/bin/python" -c "import cursor_rl, xmanager" \
     || { echo "[xm venv] install failed" >&2; exit 1; }
   echo "$stamp_want" > "$venv/.cursor_rl_stamp"

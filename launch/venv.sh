@@ -16,10 +16,10 @@ if [ ! -x "$_venv/bin/python" ]; then
 fi
 if [ "$(cat "$_venv/.cursor_rl_stamp" 2>/dev/null || true)" != "$_stamp_want" ]; then
   echo "[venv] installing cursor_rl[${_extras}] into $_venv"
-  "$_venv/bin/python" -m pip install -q --upgrade "pip>=24" 2>&1 | grep -v "is ignored" || true
+  bash "$_root/launch/pip_install.sh" "$_venv/bin/python" --upgrade "pip>=24" || exit 1
   _spec="$_root"
   [ -n "$_extras" ] && _spec="$_root[$_extras]"
-  "$_venv/bin/python" -m pip install -q -c "$_root/constraints.txt" -e "$_spec" 2>&1 | grep -v "is ignored" || true
+  bash "$_root/launch/pip_install.sh" "$_venv/bin/python" -c "$_root/constraints.txt" -e "$_spec" || exit 1
   "$_venv/bin/python" -c "import cursor_rl" || { echo "[venv] install failed" >&2; exit 1; }
   echo "$_stamp_want" > "$_venv/.cursor_rl_stamp"
 fi

@@ -319,3 +319,33 @@ class _NullSummaryWriter:
 
     def close(self):
         pass
+
+
+# ---- venv installs -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_pip_install_wrapper_passes_pips_exit_status_through(tmp_path, status):
+    """The venv scripts install through launch/pip_install.sh: pip's "is ignored"
+    notices are dropped, everything else is shown, and a failed pip (no disk space,
+    no index) fails the script, so a broken venv is never stamped as installed."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'echo "$@"\n'
+        'echo "pip 1.0 is ignored"\n'
+        'echo "ERROR: No space left on device" >&2\n'
+        f"exit {status}\n"
+    )
+    fake.chmod(0o755)
+    result = subprocess.run(
+        ["bash", os.path.join(ROOT, "launch", "pip_install.sh"), str(fake), "-e", ".[hf]"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == status
+    assert "-m pip install -q -e .[hf]" in result.stdout
+    assert "No space left on device" in result.stdout
+    assert "is ignored" not in result.stdout
+    assert ("failed (exit 3)" in result.stderr) == (status == 3)
