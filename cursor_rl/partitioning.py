@@ -194,13 +194,22 @@ def mesh_axis_size(mesh: Mesh | jax.sharding.AbstractMesh, axes: str | Sequence[
     return math.prod(shape.get(axis, 1) for axis in axes)
 
 
+def split_axes(
+    mesh: Mesh | jax.sharding.AbstractMesh, logical: str, default: str | Sequence[str] | None = None
+) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that the current rules map ``logical`` onto (or ``default``
+    when the rules do not name it); empty when it is not split over devices."""
+    axes = dict(nn.get_logical_axis_rules()).get(logical, default)
+    if axes is None:
+        return ()
+    shape = dict(mesh.shape)
+    return tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if shape.get(a, 1) > 1)
+
+
 def length_sharded() -> bool:
     """Whether the mesh and rules current for tracing shard the sequence (``act_length``)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return False
-    axes = dict(nn.get_logical_axis_rules()).get("act_length")
-    return axes is not None and mesh_axis_size(mesh, axes) > 1
+    return not mesh.empty and bool(split_axes(mesh, "act_length"))
 
 
 @contextlib.contextmanager

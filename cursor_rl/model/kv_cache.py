@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -184,7 +183,8 @@ def paged_attention(
     if mesh.empty:
         context, kv_latent, k_rope = fn(*args)
         return context, PagedCache(kv_latent, k_rope)
-    rows, heads = _split_axes(mesh, "cache_batch"), _split_axes(mesh, "act_heads")
+    rows = partitioning.split_axes(mesh, "cache_batch") or None
+    heads = partitioning.split_axes(mesh, "act_heads") or None
     pool = P(None, rows)
     row = P(rows)
     query = P(rows, None, heads)
@@ -195,11 +195,3 @@ def paged_attention(
         check_vma=False,
     )(*args)
     return context, PagedCache(kv_latent, k_rope)
-
-
-def _split_axes(mesh, logical: str) -> tuple[str, ...] | None:
-    """Mesh axes (of size > 1) that the current rules map ``logical`` onto; None if none."""
-    axes = dict(nn.get_logical_axis_rules()).get(logical) or ()
-    sizes = dict(mesh.shape)
-    split = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if sizes.get(a, 1) > 1)
-    return split or None

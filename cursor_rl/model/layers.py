@@ -243,7 +243,7 @@ class MLA(nn.Module):
             q_latent, q_rope, kv_latent, k_rope, pools, layer, step, c.softmax_scale
         )
         out = constrain(jnp.einsum("bthc,chv->bthv", context, w_value), BTHK)
-        return jnp.einsum("bthv,hvd->btd", out, self.o_proj), pools
+        return linear(out, self.o_proj, n_in=2), pools
 
 
 def _head_major_keys(k_nope: Array, k_rope: Array, v: Array) -> tuple[Array, Array]:

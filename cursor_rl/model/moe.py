@@ -318,10 +318,9 @@ def routed_experts(
             x, topk_idx, topk_weight, wg, wu, wd,
             expert_axis=None, expert_shards=1, tensor_axis=None, **kwargs,
         )  # fmt: skip
-    rules = dict(nn.get_logical_axis_rules())
-    token_axes = _present(mesh, rules.get("act_batch", partitioning.BATCH_AXES))
-    expert_axes = _present(mesh, rules.get("expert"))
-    mlp_axes = _present(mesh, rules.get("mlp"))
+    token_axes = partitioning.split_axes(mesh, "act_batch", partitioning.BATCH_AXES)
+    expert_axes = partitioning.split_axes(mesh, "expert")
+    mlp_axes = partitioning.split_axes(mesh, "mlp")
     if len(expert_axes) > 1 or len(mlp_axes) > 1:
         raise ValueError("expert and mlp must each map to at most one mesh axis for MoE dispatch")
     expert_axis = expert_axes[0] if expert_axes else None
@@ -357,15 +356,6 @@ def routed_experts(
         check_vma=False,
     )(x, topk_idx, topk_weight, wg, wu, wd)
     return y[:n], dropped
-
-
-def _present(mesh, axes) -> tuple[str, ...]:
-    """The mesh axes among ``axes`` that the mesh has with size > 1."""
-    if axes is None:
-        return ()
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    shape = dict(mesh.shape)
-    return tuple(a for a in axes if shape.get(a, 1) > 1)
 
 
 class MoE(nn.Module):
