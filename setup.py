@@ -45,7 +45,11 @@ setuptools.setup(
     description="Continued pretraining and agentic RL for coding models, JAX-native.",
     packages=setuptools.find_packages(include=["cursor_rl", "cursor_rl.*"]),
     # Data files that ship with the code (the built-in SFT demonstrations).
-    package_data={"cursor_rl.data": ["*.jsonl"]},
+    package_data={
+        "cursor_rl.data": ["*.jsonl"],
+        # The shipped base models (cursor_rl/bases/NAME/: safetensors, config, tokenizer).
+        "cursor_rl.bases": ["*/*.json", "*/*.safetensors", "*/SHA256SUMS", "*/README.md"],
+    },
     python_requires=">=3.11",
     install_requires=_CORE,
     extras_require=_EXTRAS,

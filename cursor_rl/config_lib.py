@@ -136,6 +136,9 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.stage = "all"  # pretrain | long_context | sft | all (the three in order)
     c.seed = 0
+    # The base model the first stage starts from (cursor_rl.bases): "none" (random
+    # weights), a built-in name ("tiny") or an HF directory of the project's export.
+    c.init_from = "none"
     c.model = model_section(ModelConfig())
 
     c.mesh = ml_collections.ConfigDict()
@@ -170,6 +173,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 50
     c.train.eval_batches = 4
     c.train.init_from = ""  # checkpoint dir to start from (else the previous stage's)
+    c.train.probe_every = 0  # log the copy probe (cursor_rl.train.copy_probe) every N steps
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.name = "adamw"  # adamw | muon

@@ -12,7 +12,7 @@ import time
 import jax
 import ml_collections
 
-from cursor_rl import config_lib
+from cursor_rl import bases, config_lib
 from cursor_rl.train import loop as train_loop
 
 
@@ -101,6 +101,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[StageRow]:
     """Runs ``config.stage`` and writes the report; returns the summary rows."""
     if config.stage not in config_lib.PIPELINE_STAGES:
         raise ValueError(f"stage={config.stage!r} is not one of {config_lib.PIPELINE_STAGES}")
+    base = bases.resolve(config.get("init_from", ""))
+    if base is not None and config.stage in ("all", config_lib.STAGES[0]):
+        bases.verify(base)  # a damaged base is refused before any stage starts
     rows: list[StageRow] = []
     train_stages = [s for s in config_lib.TRAIN_STAGES if config.stage in ("all", s)]
     if train_stages:

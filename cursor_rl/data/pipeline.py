@@ -47,8 +47,8 @@ from typing import Any
 
 import grain
 
-from cursor_rl.data import packing, sources
-from cursor_rl.data.tokenizer import Tokenizer
+from cursor_rl.data import packing, sources, synthetic
+from cursor_rl.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 SPLITS = ("train", "eval")
 
@@ -82,6 +82,10 @@ class DataConfig:
         Task instead of ``sources`` (needs the ``seqio`` extra; see
         ``cursor_rl.data.seqio_bridge``).
       seqio_modules: modules imported first, to register the seqio Tasks/Mixtures.
+      repeat_rows: share of pretraining rows (train split only) replaced by rows of
+        repeated random spans (``cursor_rl.data.synthetic``), which make copying from
+        context learnable; 0 = off.
+      repeat_min_len, repeat_max_len: span lengths of those rows.
     """
 
     sources: tuple[str, ...] = ("stdlib",)
@@ -98,6 +102,9 @@ class DataConfig:
     sft_eval_fraction: float = 0.1
     seqio_mixture: str = ""
     seqio_modules: tuple[str, ...] = ()
+    repeat_rows: float = 0.0
+    repeat_min_len: int = 8
+    repeat_max_len: int = 100
 
     def __post_init__(self):
         if not self.sources:
@@ -120,6 +127,13 @@ class DataConfig:
                 raise ValueError(f"data.{name}={getattr(self, name)} must be >= 0")
         if self.read_threads < 1:
             raise ValueError(f"data.read_threads={self.read_threads} must be >= 1")
+        if not 0.0 <= self.repeat_rows <= 1.0:
+            raise ValueError(f"data.repeat_rows={self.repeat_rows} must be in [0, 1]")
+        if not 1 <= self.repeat_min_len <= self.repeat_max_len:
+            raise ValueError(
+                f"data.repeat_min_len={self.repeat_min_len} and data.repeat_max_len="
+                f"{self.repeat_max_len}: need 1 <= min <= max"
+            )
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> DataConfig:
@@ -354,7 +368,7 @@ def make_pretrain_dataset(
     examples = docs.map(_TokenizeDocument(tokenizer)).to_iter_dataset(
         grain.ReadOptions(num_threads=config.read_threads, prefetch_buffer_size=4 * local)
     )
-    return batches_from_examples(
+    batches = batches_from_examples(
         examples,
         config,
         seq_len=seq_len,
@@ -362,6 +376,17 @@ def make_pretrain_dataset(
         pad_id=tokenizer.pad_id,
         seed=seed,
     )
+    if config.repeat_rows > 0 and split == "train":
+        spec = synthetic.RepeatSpec(
+            low=len(SPECIAL_TOKENS),
+            high=tokenizer.vocab_size,
+            min_len=config.repeat_min_len,
+            max_len=config.repeat_max_len,
+        )
+        spec.check_fits(seq_len)
+        replace = synthetic.ReplaceRows(config.repeat_rows, spec, tokenizer.pad_id)
+        batches = batches.random_map(replace, seed=(seed + 104729) % 2**32)
+    return batches
 
 
 def make_sft_dataset(

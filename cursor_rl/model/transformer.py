@@ -260,6 +260,12 @@ def abstract_variables(config: ModelConfig) -> Variables:
     return jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), _dummy_tokens()))
 
 
+def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every variable's shape by its path (``jax.tree_util.keystr``), for fit checks."""
+    tree = partitioning.strip_axis_metadata(abstract_variables(config))
+    return {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
 def variable_shardings(
     config: ModelConfig, mesh: jax.sharding.Mesh, rules: partitioning.LogicalRules
 ) -> Variables:

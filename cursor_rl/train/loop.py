@@ -7,7 +7,9 @@ One trainer runs all three stages; a stage differs only by its config
    optimizer, router bias, data-iterator position and step);
 2. else ``train.init_from`` or the previous stage's latest checkpoint (weights and
    router bias only: each stage gets a fresh optimizer and schedule);
-3. else a fresh initialisation (pretraining only).
+3. else, for the first stage, the base model ``init_from`` names (``cursor_rl.bases``:
+   continued pretraining, as Composer 2 continues from a released base);
+4. else a fresh initialisation (pretraining only).
 
 Checkpoints, metrics and the tokenizer live in the workdir (layout in DESIGN.md).
 """
@@ -31,10 +33,11 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from cursor_rl import checkpoints, config_lib, model, partitioning
+from cursor_rl import bases, checkpoints, config_lib, model, partitioning
 from cursor_rl.data import pipeline
 from cursor_rl.data.tokenizer import Tokenizer
 from cursor_rl.model.config import ModelConfig
+from cursor_rl.train import copy_probe
 from cursor_rl.train import optimizer as optim
 from cursor_rl.train import step as step_lib
 from cursor_rl.train.metrics import MetricsWriter, Progress
@@ -138,8 +141,10 @@ def ensure_tokenizer(cfg: ml_collections.ConfigDict, workdir: str) -> Tokenizer:
     """
     # epath rather than os/Tokenizer.save: the workdir may be on gs://.
     file = epath.Path(tokenizer_dir(workdir)) / "tokenizer.json"
-    if cfg.tokenizer.path:
-        tokenizer = Tokenizer.load(cfg.tokenizer.path)
+    base = bases.resolve(cfg.get("init_from", ""))
+    path = cfg.tokenizer.path or (bases.tokenizer_file(base) if base else "")
+    if path:
+        tokenizer = Tokenizer.load(path)
         if jax.process_index() == 0 and not file.exists():
             _save_tokenizer(tokenizer, file)
         return tokenizer
@@ -217,13 +222,7 @@ def _check_compatible(meta: dict[str, Any], model_config: ModelConfig, where: st
             f"--config.model.scan_layers={saved_cfg.scan_layers} to continue from it"
         )
 
-    def shapes(config):
-        tree = partitioning.strip_axis_metadata(model.abstract_variables(config))
-        return {
-            jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(tree)
-        }
-
-    saved, current = shapes(saved_cfg), shapes(model_config)
+    saved, current = model.parameter_shapes(saved_cfg), model.parameter_shapes(model_config)
     for name in sorted(set(saved) | set(current)):
         if saved.get(name) != current.get(name):
             raise ValueError(
@@ -257,6 +256,9 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> St
     mesh = partitioning.make_mesh(cfg.mesh.ici.to_dict(), cfg.mesh.dcn.to_dict())
     rules = partitioning.make_rules(cfg.mesh.rules_preset, cfg.mesh.rules.to_dict())
     is_main = jax.process_index() == 0
+    base = bases.resolve(cfg.get("init_from", "")) if _previous_stage(stage) is None else None
+    if base is not None:  # a damaged base fails here, before anything is trained
+        bases.verify(base, model_config)
     tokenizer = ensure_tokenizer(cfg, workdir)
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ValueError(
@@ -278,6 +280,12 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> St
     )
     metadata = checkpoint_metadata(cfg, model_config, tokenizer)
     variables_target = {"params": abstract.params, "router": abstract.router}
+
+    base_variables = None  # host arrays of the base model, when this stage starts from it
+    if base is not None and manager.latest_step() is None and not cfg.train.init_from:
+        # Read outside the mesh context: the reader traces the model.
+        base_variables = bases.load_variables(base, model_config)
+        log.info("[%s] initialising from the base model %s", stage, base)
 
     with partitioning.use_mesh(mesh, rules):
         if manager.latest_step() is not None:
@@ -309,6 +317,9 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> St
                 _check_compatible(checkpoints.read_metadata(source), model_config, source)
                 variables = checkpoints.restore_variables(source, variables_target)
                 log.info("[%s] initialised from %s", stage, source)
+            elif base_variables is not None:
+                shardings = {"params": state_sh.params, "router": state_sh.router}
+                variables = jax.device_put(base_variables, shardings)
             else:
                 variables = model.init(model_config, jax.random.key(cfg.seed), mesh, rules)
             init_opt = jax.jit(tx.init, out_shardings=state_sh.opt_state)
@@ -351,6 +362,15 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> St
                 ce, tokens = ce + float(out["ce_sum"]), tokens + float(out["tokens"])
             return ce / max(tokens, 1.0)
 
+        probe_every = int(cfg.train.get("probe_every", 0))
+        last_probe = None
+
+        def probe() -> float:
+            # Tokens past the tokenizer's (a padded vocabulary) are never drawn.
+            high = min(tokenizer.vocab_size, model_config.vocab_size)
+            settings = {**copy_probe.TRAINING_PROBE, "high": high}
+            return copy_probe.copy_score(model_config, state.variables, **settings)["copy_accuracy"]
+
         writer = MetricsWriter(workdir, enabled=is_main)
         progress = Progress(stage, num_steps, enabled=is_main)
         flops_per_token = model_config.flops_per_token(int(cfg.train.seq_len))
@@ -389,12 +409,15 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> St
                         step % cfg.train.eval_every == 0 or step == num_steps
                     ):
                         row["eval_loss"] = last_eval = evaluate()
+                    if probe_every and (step % probe_every == 0 or step == num_steps):
+                        row["copy_probe"] = last_probe = probe()
                     writer.write(stage, step, row)
                     progress.update(
                         step,
                         {
                             "loss": row["ce_loss"],
                             "eval": last_eval,
+                            "copy": last_probe,
                             "tok/s": row["tokens_per_s"],
                             "mfu": row["mfu"],
                         },
