@@ -4,9 +4,9 @@ Episodes become training rows here (host side), in three steps:
 
 1. each self-summarised episode contributes one sequence per context window
    (segment), all with the episode's advantage;
-2. sequences are packed into rows of ``seq_len`` (first-fit, longest first;
-   ``segment_ids`` keep them apart, ``positions`` restart); a longer sequence is
-   cut at ``seq_len`` (counted);
+2. sequences are packed into rows of ``seq_len`` by the pretraining packer
+   (``data.packing``), first-fit, longest first (``segment_ids`` keep them apart,
+   ``positions`` restart); a longer sequence is cut at ``seq_len`` (counted);
 3. the row count is rounded up to a power of two times ``rows_multiple`` (the
    batch shards times micro-batches), so few distinct shapes are ever compiled.
 
@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from cursor_rl import checkpoints, partitioning
+from cursor_rl.data import packing
 from cursor_rl.model.config import ModelConfig
 from cursor_rl.rl import grpo
 from cursor_rl.rl.rollout import Episode
@@ -66,30 +67,29 @@ def build_batch(
         traj = episode.trajectory
         for s in range(len(traj.segment_starts)):
             tokens, mask, logprobs = traj.segment(s)
-            if len(tokens) < 2:
+            lp = np.asarray(logprobs, np.float64)
+            example = packing.example_from_ids(
+                tokens,
+                mask,
+                {
+                    "advantages": np.full(len(tokens), advantage, np.float32),
+                    # NaN marks tokens the sampler did not produce (never trained).
+                    "sampler_logprobs": np.where(np.isnan(lp), 0.0, lp).astype(np.float32),
+                    "sequence_ids": np.full(len(tokens), len(sequences) + 1, np.int64),
+                },
+                require_loss=False,
+            )
+            if example is None:
                 continue
-            if len(tokens) - 1 > seq_len:
+            if example["tokens"].shape[0] > seq_len:
                 stats.truncated += 1
-                tokens, mask, logprobs = (
-                    tokens[: seq_len + 1],
-                    mask[: seq_len + 1],
-                    logprobs[: seq_len + 1],
-                )
-            sequences.append((tokens, mask, logprobs, float(advantage)))
-    # First-fit decreasing packing into rows of seq_len positions.
-    order = sorted(range(len(sequences)), key=lambda i: -(len(sequences[i][0]) - 1))
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in order:
-        need = len(sequences[i][0]) - 1
-        for r, space in enumerate(free):
-            if space >= need:
-                rows[r].append(i)
-                free[r] -= need
-                break
-        else:
-            rows.append([i])
-            free.append(seq_len - need)
+                example = {k: v[:seq_len] for k, v in example.items()}
+            sequences.append(example)
+            stats.tokens += example["tokens"].shape[0]
+            stats.model_tokens += int(example["loss_mask"].sum())
+    # First-fit decreasing: the shared packer, fed the sequences longest first.
+    order = sorted(range(len(sequences)), key=lambda i: -sequences[i]["tokens"].shape[0])
+    rows = packing.pack_examples([sequences[i] for i in order], seq_len=seq_len)
     num_rows = max(len(rows), 1)
     num_rows = rows_multiple * 2 ** math.ceil(math.log2(max(num_rows / rows_multiple, 1)))
     shape = (num_rows, seq_len)
@@ -104,25 +104,10 @@ def build_batch(
         "ref_logprobs": np.zeros(shape, np.float32),
     }
     sequence_ids = np.zeros(shape, np.int64)
-    for r, members in enumerate(rows):
-        offset = 0
-        for k, i in enumerate(members):
-            tokens, mask, logprobs, advantage = sequences[i]
-            n = len(tokens) - 1
-            span = slice(offset, offset + n)
-            out["tokens"][r, span] = tokens[:-1]
-            out["targets"][r, span] = tokens[1:]
-            # The mask and log-prob belong to the predicted (target) token.
-            out["loss_mask"][r, span] = mask[1:]
-            lp = np.asarray(logprobs[1:], np.float64)
-            out["sampler_logprobs"][r, span] = np.where(np.isnan(lp), 0.0, lp)
-            out["segment_ids"][r, span] = k + 1
-            out["positions"][r, span] = np.arange(n)
-            out["advantages"][r, span] = advantage
-            sequence_ids[r, span] = i + 1
-            offset += n
-            stats.tokens += n
-            stats.model_tokens += int(np.sum(mask[1:]))
+    for r, row in enumerate(rows):
+        sequence_ids[r] = row.pop("sequence_ids")
+        for k, v in row.items():
+            out[k][r] = v
     out["token_weight"] = grpo.token_weights(out["loss_mask"], sequence_ids, aggregation)
     stats.sequences, stats.rows = len(sequences), num_rows
     return out, stats
