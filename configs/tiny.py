@@ -110,7 +110,8 @@ def get_config(arg=None):
     c.sft_data.plan = "short"
 
     # (d) RL on the tiny task family: groups of 8 episodes on 4 tasks per step, the
-    # held-out benchmark evaluated before (the SFT checkpoint) and after.
+    # held-out benchmark evaluated on the long-context checkpoint (rl.eval.base, the
+    # baseline), before RL (the SFT checkpoint) and after.
     rl = c.rl
     rl.num_steps = 6
     rl.tasks_per_step = 4
@@ -132,7 +133,7 @@ def get_config(arg=None):
     rl.sampler.num_slots = 32
     rl.sampler.max_seq_len = 1024
     rl.eval.every = 0
-    rl.eval.num_tasks = 24
+    rl.eval.num_tasks = 32  # every bench task: 32 tasks x 4 samples for the intervals
     rl.eval.samples = 4
     c.stage_overrides.rl.optimizer = dict(
         learning_rate=2e-4, schedule="constant", warmup_steps=0, weight_decay=0.0

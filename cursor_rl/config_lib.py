@@ -119,6 +119,9 @@ def _rl_defaults() -> ml_collections.ConfigDict:
     rl.eval.temperature = 1.0
     rl.eval.seed = 1234
     rl.eval.bench_name = "tiny_bench"
+    # Also evaluate the long-context checkpoint (the model before SFT) once, before RL,
+    # as stage "base": the report's learning table reads base -> SFT -> RL.
+    rl.eval.base = True
     rl.tasks = ml_collections.ConfigDict()
     rl.tasks.train = ""  # a task dataset directory; empty: build the family into WORKDIR/tasks
     rl.tasks.bench = ""

@@ -1,4 +1,5 @@
-"""pass@k and best-of-k against brute-force enumeration; summaries over fake episodes."""
+"""pass@k and best-of-k against brute-force enumeration; bootstrap intervals against
+known cases; summaries over fake episodes."""
 
 import itertools
 import math
@@ -68,6 +69,46 @@ def test_default_k_values():
     assert metrics.default_k_values(6) == (1, 2, 4, 6)
 
 
+def test_bootstrap_ci_degenerate_cases():
+    # Every task passes (or none does): every replicate mean is the same, so is the CI.
+    assert metrics.bootstrap_ci([1.0] * 32) == (1.0, 1.0)
+    assert metrics.bootstrap_ci([0.0] * 32) == (0.0, 0.0)
+    assert metrics.bootstrap_ci([0.25]) == (0.25, 0.25)  # one task: nothing to resample
+    assert metrics.bootstrap_ci([]) is None
+
+
+def test_bootstrap_ci_matches_the_binomial_quantiles():
+    """Ten tasks, five passing: a replicate's mean is Binomial(10, 1/2) / 10, whose
+    2.5% and 97.5% quantiles are 2/10 and 8/10 (P(X <= 1) = 0.011 < 0.025 < P(X <= 2)
+    = 0.055). With 20000 replicates the empirical quantiles land on them."""
+    cdf = np.cumsum([math.comb(10, i) / 2**10 for i in range(11)])
+    low = int(np.searchsorted(cdf, 0.025)) / 10
+    high = int(np.searchsorted(cdf, 0.975)) / 10
+    assert (low, high) == (0.2, 0.8)
+    values = [1.0] * 5 + [0.0] * 5
+    assert metrics.bootstrap_ci(values, resamples=20000, seed=3) == pytest.approx((low, high))
+
+
+def test_bootstrap_ci_is_seeded_and_nested():
+    values = list(np.random.default_rng(0).random(40))
+    first = metrics.bootstrap_ci(values, seed=5)
+    assert metrics.bootstrap_ci(values, seed=5) == first  # same seed, same interval
+    assert metrics.bootstrap_ci(values, seed=6) != first  # the draws depend on the seed
+    low, high = first
+    assert low < float(np.mean(values)) < high
+    narrow = metrics.bootstrap_ci(values, seed=5, level=0.5)
+    assert low < narrow[0] < narrow[1] < high  # same draws: the 50% range sits inside
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"level": 1.0}, "level"), ({"level": 0.0}, "level"), ({"resamples": 0}, "resamples")],
+)
+def test_bootstrap_ci_rejects_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        metrics.bootstrap_ci([0.5, 1.0], **kwargs)
+
+
 def _bench():
     """Three tasks, four samples each: per-task outcomes chosen to differ."""
     plan = {
@@ -115,6 +156,22 @@ def test_summarize_against_enumeration():
     assert overall["finish_reasons"] == {"submitted": 4, "turn_limit": 8}
 
 
+def test_summarize_carries_intervals_over_tasks():
+    plan, episodes = _bench()
+    summary = metrics.summarize(episodes, k_values=(2, 4), ci_seed=11)
+    ci = summary["overall"]["ci"]
+    assert summary["ci_level"] == 0.95
+    assert sorted(ci) == ["best_of_1", "best_of_2", "best_of_4", "pass@1", "pass@2", "pass@4"]
+    # pass@1 of a task is the fraction of its samples that passed.
+    per_task = [sum(o) / len(o) for o in plan.values()]
+    assert ci["pass@1"] == metrics.bootstrap_ci(per_task, seed=11)
+    per_task_4 = [float(any(o)) for o in plan.values()]
+    assert ci["pass@4"] == metrics.bootstrap_ci(per_task_4, seed=11)
+    for key, (low, high) in ci.items():
+        assert low <= summary["overall"][key] <= high, key
+    assert all("ci" not in group for group in summary["categories"].values())
+
+
 def test_summarize_partial_credit_best_of_k():
     _, episodes = _bench()
     summary = metrics.summarize(episodes, k_values=(2,), partial_credit=True)
@@ -147,4 +204,5 @@ def test_summarize_empty():
     summary = metrics.summarize([], k_values=(1, 8))
     assert summary["k_values"] == []
     assert summary["overall"]["tasks"] == 0
+    assert summary["overall"]["ci"] == {}
     assert summary["categories"] == {}

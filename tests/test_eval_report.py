@@ -1,4 +1,6 @@
-"""The run report from a synthetic metrics.jsonl: tables, before/after, plots, partial runs."""
+"""The run report from a synthetic metrics.jsonl: tables, before/after, the learning
+section (base -> SFT -> RL with intervals, copy probe, RL reward per step,
+self-summarisation), plots, partial runs."""
 
 import json
 import os
@@ -50,11 +52,13 @@ def _training_rows():
                 "ce_loss": 6.0 - step / 10,
                 "tokens": step * 512,
                 "tokens_per_s": 900.0,
+                "copy_probe": 0.3 + step / 50,  # 0.5, 0.7, 0.9
             }
         )
     rows.append({"stage": "pretrain", "step": 30, "time": 1031.0, "eval_loss": 3.5})
     for step in (5, 10):
         rows.append({"stage": "long_context", "step": step, "time": 1100.0 + step, "ce_loss": 2.9})
+    rows[-1]["copy_probe"] = 0.85
     for step in (4, 8):
         rows.append({"stage": "sft", "step": step, "time": 1200.0 + step, "ce_loss": 1.5})
     return rows
@@ -72,20 +76,26 @@ def _rl_rows():
             "generated_tokens": 300.0 - 20 * step,
             "tool_calls": 3.0,
             "segments": 1.0,
+            # Step s: s - 1 of 8 episodes summarised (reward 0.5), the rest 0.1 * s.
+            "scored_episodes": 8,
+            "summarised_episodes": step - 1,
+            **({"summarised_reward": 0.5} if step > 1 else {}),
+            "unsummarised_reward": 0.1 * step,
         }
         for step in range(1, 5)
     ]
 
 
 def _full_run(workdir):
+    base_summary, base_eval = _eval_row(0, 0, stage="base", step=10, tokens=400, time=1209.0)
     sft_summary, sft_eval = _eval_row(1, 2, stage="sft", step=8, tokens=300, time=1210.0)
     mid_summary, mid_eval = _eval_row(2, 3, stage="rl", step=2, tokens=250, time=1325.0)
     last_summary, last_eval = _eval_row(3, 4, stage="rl", step=4, tokens=200, time=1345.0)
     rl = _rl_rows()
-    rows = [*_training_rows(), sft_eval, *rl[:2], mid_eval, *rl[2:], last_eval]
+    rows = [*_training_rows(), base_eval, sft_eval, *rl[:2], mid_eval, *rl[2:], last_eval]
     _write_rows(workdir, rows, torn_tail=True)
     reg = registry.Registry(registry.registry_path(workdir))
-    for summary in (sft_summary, mid_summary, last_summary):
+    for summary in (base_summary, sft_summary, mid_summary, last_summary):
         reg.record(summary)
 
 
@@ -95,7 +105,7 @@ def test_full_report(tmp_path):
     path = report.write_report(workdir)
     assert path == os.path.join(workdir, "report.md")
     text = pathlib.Path(path).read_text()
-    for name in ("loss.png", "rl_reward.png", "rl_length.png"):
+    for name in ("loss.png", "rl_reward.png", "rl_length.png", "learning.png", "copy_probe.png"):
         with open(os.path.join(workdir, name), "rb") as fh:
             assert fh.read(8) == PNG_MAGIC, name
         assert f"({name})" in text
@@ -105,6 +115,7 @@ def test_full_report(tmp_path):
     assert "| long_context | 10 | - | 2.900 → 2.900 | - | 5 s |" in text
     assert "| sft | 8 | - | 1.500 → 1.500 | - | 6 s |" in text  # the SFT eval row included
     assert "| rl | 4 | - | - | - | 35 s |" in text
+    assert "| base | 10 | - |" not in text  # the base eval is not a stage that ran
     # RL training rows, first -> last.
     assert "| reward | 0.100 → 0.400 |" in text
     assert "| generated_tokens | 280.0 → 220.0 |" in text
@@ -118,7 +129,56 @@ def test_full_report(tmp_path):
     assert "| generated_tokens | 300.0 | 200.0 | -100.0 |" in text
     # Every eval is listed; the registry keeps the bench active (0.875 < 0.9).
     assert text.count("| rl | 2 | 0.625 |") == 1
-    assert "| tiny_bench | active | 3 | 0.875 | 0.875 | - |" in text
+    assert "| tiny_bench | active | 4 | 0.875 | 0.875 | - |" in text
+
+
+def test_learning_section(tmp_path):
+    workdir = str(tmp_path / "run")
+    _full_run(workdir)
+    text = _report_text(workdir)
+    learning = text.split("## Learning")[1].split("\n## ")[0]
+    # base -> SFT -> RL, each with its bootstrap interval over the two tasks: per-task
+    # pass@1 of (0, 0), (1/4, 2/4) and (3/4, 4/4); pass@4 and best-of-4 are per-task 0 or 1.
+    header = "| checkpoint | eval | pass@1 [95% CI] | pass@4 [95% CI] | best-of-4 [95% CI] |"
+    assert header + " tasks × samples |" in learning
+    zero = "0.000 [0.000, 0.000]"
+    one = "1.000 [1.000, 1.000]"
+    assert f"| base | base step 10 | {zero} | {zero} | {zero} | 2 × 4 |" in learning
+    assert f"| SFT | sft step 8 | 0.375 [0.250, 0.500] | {one} | {one} | 2 × 4 |" in learning
+    assert f"| RL | rl step 4 | 0.875 [0.750, 1.000] | {one} | {one} | 2 × 4 |" in learning
+    assert "not evaluated" not in learning
+    # The copy probe, first -> last per training stage that logged it.
+    assert "| pretrain | 0.500 (step 10) | 0.900 (step 30) | 3 |" in learning
+    assert "| long_context | 0.850 (step 10) | 0.850 (step 10) | 1 |" in learning
+    assert "| sft |" not in learning.split("### Copy probe")[1].split("###")[0]
+    # Reward per RL step, with the summarisation split.
+    assert (
+        "| step | mean reward | train pass@1 | episodes | summarised | reward (summarised) "
+        "| reward (not summarised) |"
+    ) in learning
+    assert "| 1 | 0.100 | 0.100 | 8 | 0 | - | 0.100 |" in learning
+    assert "| 4 | 0.400 | 0.400 | 8 | 3 | 0.500 | 0.400 |" in learning
+    # Totals: 0 + 1 + 2 + 3 of 4 x 8 episodes; the rest's reward weighted by its counts.
+    assert "6 of 32 scored episodes (18.8%) over 4 RL steps wrote" in learning
+    assert "Mean reward of the 6 episodes that summarised: 0.500." in learning
+    rest = (8 * 0.1 + 7 * 0.2 + 6 * 0.3 + 5 * 0.4) / 26
+    assert f"Mean reward of the 26 episodes that did not: {rest:.3f}." in learning
+    # The base checkpoint is a baseline in the RL plot's legend too (not read here).
+
+
+def test_long_rl_tables_are_thinned(tmp_path):
+    workdir = str(tmp_path / "run")
+    rows = [{"stage": "rl", "step": s, "time": float(s), "reward": s / 100} for s in range(1, 61)]
+    _write_rows(workdir, rows)
+    text = _report_text(workdir)
+    table = text.split("### RL reward per step")[1].split("###")[0]
+    steps = [
+        int(line.split("|")[1]) for line in table.splitlines() if line[:3].strip("| ").isdigit()
+    ]
+    assert len(steps) == report.MAX_STEP_ROWS
+    assert steps[0] == 1 and steps[-1] == 60 and steps == sorted(set(steps))
+    assert "25 of 60 steps, evenly spaced" in table
+    assert "No summarisation counts in the RL rows" in text
 
 
 def test_partial_run_gets_a_report(tmp_path):
@@ -129,6 +189,8 @@ def test_partial_run_gets_a_report(tmp_path):
     assert "No RL training rows." in text
     assert "No held-out evaluation recorded." in text
     assert "No benchmark recorded" in text
+    assert "| pretrain | 0.500 (step 10) | 0.700 (step 20) | 2 |" in text  # copy probe so far
+    assert "No summarisation counts in the RL rows" in text
     assert os.path.exists(os.path.join(workdir, "loss.png"))
     assert not os.path.exists(os.path.join(workdir, "rl_reward.png"))
 
@@ -140,6 +202,18 @@ def test_sft_eval_only_and_empty_workdir(tmp_path):
     text = _report_text(workdir)
     assert "| pass@1 | 0.375 | - | - |" in text
     assert "| metric | before RL (sft step 8) | - | Δ |" in text
+    # The learning table: the missing rows are dashes, each with a line saying why.
+    assert "| base | - | - | - | - | - |" in text
+    assert "| RL | - | - | - | - | - |" in text
+    assert "- base: not evaluated (rl.eval.base off, or no long_context checkpoint)." in text
+    assert "- RL: not evaluated (no eval after RL yet)." in text
+    assert "No copy probe logged" in text
+
+    # A row written before the intervals existed: the values alone.
+    old = {k: v for k, v in sft_eval.items() if "_ci_" not in k and k != "samples_per_task"}
+    _write_rows(workdir, [old])
+    text = _report_text(workdir)
+    assert "| SFT | sft step 8 | 0.375 | 1.000 | 1.000 | 2 × - |" in text
 
     empty = str(tmp_path / "empty")
     text = _report_text(empty)

@@ -40,8 +40,8 @@ TASKS = [
 ]
 
 
-def _evaluate(tmp_path, stage="rl", step=10, **kwargs):
-    fake = FakeRunner(solved=[1, 4])
+def _evaluate(tmp_path, stage="rl", step=10, solved=(1, 4), **kwargs):
+    fake = FakeRunner(solved=list(solved))
     summary = runner.evaluate(
         fake,
         TASKS,
@@ -111,3 +111,19 @@ def test_eval_row(tmp_path):
     assert row["tasks"] == 2 and row["episodes"] == 8
     assert "stage" not in row and "step" not in row  # MetricsWriter.write adds them
     json.dumps(row)
+
+
+def test_eval_row_carries_the_intervals(tmp_path):
+    _, summary = _evaluate(tmp_path)
+    row = runner.eval_row(summary)
+    assert row["samples_per_task"] == 4 and row["ci_level"] == 0.95
+    # Per-task pass@1 is 1/4 and 4/4; the interval is the bootstrap of those two.
+    assert (row["pass@1_ci_low"], row["pass@1_ci_high"]) == metrics.bootstrap_ci([0.25, 1.0])
+    assert (row["pass@1_ci_low"], row["pass@1_ci_high"]) == (0.25, 1.0)
+    assert (row["pass@k_ci_low"], row["pass@k_ci_high"]) == summary["overall"]["ci"]["pass@4"]
+    assert (row["best_of_k_ci_low"], row["best_of_k_ci_high"]) == (1.0, 1.0)
+
+    _, solved_all = _evaluate(tmp_path, solved=(4, 4))
+    row = runner.eval_row(solved_all)
+    for key in ("pass@1", "pass@k", "best_of_k"):
+        assert (row[f"{key}_ci_low"], row[f"{key}_ci_high"]) == (1.0, 1.0), key

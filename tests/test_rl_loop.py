@@ -84,6 +84,32 @@ def test_every_segment_of_an_episode_trains_with_its_one_reward(tokenizer):
     assert stats.model_tokens == 3 * stats.sequences
 
 
+def test_score_groups_counts_self_summarised_episodes(tokenizer):
+    """Per step: how many scored episodes summarised, and the mean reward of those and
+    of the rest (a lost episode is in neither)."""
+    chat = protocol.ChatFormat(tokenizer)
+    episodes = [_episode(chat, task, sample, segments=1) for task in (0, 1) for sample in range(3)]
+    for e in episodes:
+        if e.sample > 0:  # samples 1, 2 of each task wrote a summary; sample 0 solved it
+            e.summary_tokens.append(7)
+    episodes[-1].finish_reason = "lost"
+    _, _, metrics = score_groups(
+        episodes, rewards.RewardConfig(), grpo.GRPOConfig(drop_zero_variance=False)
+    )
+    assert metrics["scored_episodes"] == 5 and metrics["summarised_episodes"] == 3
+    reward = {id(e): e.grade["reward"] for e in episodes if "reward" in e.grade}
+    summarised = [reward[id(e)] for e in episodes[:-1] if e.summary_tokens]
+    rest = [reward[id(e)] for e in episodes[:-1] if not e.summary_tokens]
+    assert metrics["summarised_reward"] == pytest.approx(np.mean(summarised))
+    assert metrics["unsummarised_reward"] == pytest.approx(np.mean(rest))
+    assert metrics["unsummarised_reward"] > metrics["summarised_reward"]  # solved vs not
+
+    for e in episodes:
+        e.summary_tokens.clear()
+    _, _, metrics = score_groups(episodes, rewards.RewardConfig(), grpo.GRPOConfig())
+    assert metrics["summarised_episodes"] == 0 and "summarised_reward" not in metrics
+
+
 def test_sampler_logprobs_are_the_trainers_on_policy(tokenizer, variables):
     """Sampled turns appended to a trajectory, packed by ``build_batch`` and scored by
     the trainer's ``logprobs_step``: the trainer's log p of every model token equals
@@ -131,7 +157,8 @@ def test_sampler_logprobs_are_the_trainers_on_policy(tokenizer, variables):
 
 @pytest.fixture
 def rl_workdir(tmp_path, tokenizer, variables):
-    """A workdir as the SFT stage leaves it: tokenizer and a checkpoint."""
+    """A workdir as the SFT stage leaves it: tokenizer, an SFT checkpoint, and the
+    long-context checkpoint before it (the same weights here, at step 3)."""
     from cursor_rl.env import sandbox
 
     if sandbox.unavailable_reason():
@@ -142,6 +169,13 @@ def rl_workdir(tmp_path, tokenizer, variables):
         checkpoints.checkpoint_dir(workdir, "sft"),
         jax.device_get(variables),
         checkpoints.make_metadata(MODEL, stage="sft", step=1, tokenizer_json=tokenizer.to_json()),
+    )
+    checkpoints.save_variables(
+        checkpoints.checkpoint_dir(workdir, "long_context"),
+        jax.device_get(variables),
+        checkpoints.make_metadata(
+            MODEL, stage="long_context", step=3, tokenizer_json=tokenizer.to_json()
+        ),
     )
     return workdir
 
@@ -198,4 +232,16 @@ def test_trainer_and_sampler_as_two_processes(rl_workdir, tmp_path):
     assert [r["step"] for r in trained] == [1, 2]
     assert all(np.isfinite(r["policy_loss"]) for r in trained)
     evals = {(r["stage"], r["step"]): r for r in rows if "pass@1" in r and "k" in r}
-    assert ("sft", 0) in evals and ("rl", 2) in evals
+    assert ("base", 3) in evals and ("sft", 0) in evals and ("rl", 2) in evals
+    assert [r["stage"] for r in rows if "bench" in r][:2] == ["base", "sft"]
+    assert all("pass@1_ci_low" in r for r in evals.values())
+    # The base eval's turns were sampled with the long-context weights (version -1);
+    # the SFT policy (version 0) was swapped back in for the SFT eval.
+    with open(os.path.join(rl_workdir, "eval", "tiny_bench", "results.jsonl")) as fh:
+        results = [json.loads(line) for line in fh]
+    versions = {"base": set(), "sft": set()}
+    for r in results:
+        if r["stage"] in versions:
+            versions[r["stage"]].update(r["policy_versions"])
+    assert versions == {"base": {-1}, "sft": {0}}
+    assert all("summarised_episodes" in r for r in trained)

@@ -29,6 +29,14 @@ Choices:
 6. **Lengths are means per scored episode**: generated tokens, tool calls,
    segments (context windows, > 1 after self-summarisation); finish reasons are
    counts over all episodes, lost ones included.
+7. **Confidence intervals resample tasks** (``bootstrap_ci``): the benchmark's tasks
+   are the sample the uncertainty comes from, so each bootstrap replicate draws as
+   many tasks as there are, with replacement, and averages their per-task values
+   (pass@1 of a task: the fraction of its samples that passed); the interval is the
+   replicates' central ``level`` percentile range. Every metric of a summary is
+   resampled with the same seed, hence the same task draws, and the generator is
+   seeded, so a summary is a pure function of its episodes. Only the ``overall``
+   group carries intervals (``"ci"``); categories hold too few tasks for them.
 
 Pure Python and NumPy; no JAX. Episodes are read by attribute only (``task_id``,
 ``category``, ``finish_reason``, ``outcome()``, ``generated_tokens``,
@@ -47,6 +55,9 @@ import numpy as np
 from cursor_rl.rl.rewards import task_reward
 
 LOST = "lost"
+CI_LEVEL = 0.95
+CI_RESAMPLES = 1000
+CI_SEED = 0
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -88,6 +99,40 @@ def best_of_k(rewards: Sequence[float], k: int) -> float:
     return sum(r * (math.comb(i - 1, k - 1) / total) for i, r in enumerate(ordered, 1) if i >= k)
 
 
+def bootstrap_ci(
+    values: Sequence[float],
+    *,
+    resamples: int = CI_RESAMPLES,
+    level: float = CI_LEVEL,
+    seed: int = CI_SEED,
+) -> tuple[float, float] | None:
+    """Percentile-bootstrap interval of the mean of per-task values (choice 7).
+
+    Args:
+      values: one value per task (e.g. its pass@1).
+      resamples: bootstrap replicates; each draws ``len(values)`` tasks with
+        replacement.
+      level: the interval's coverage, in (0, 1).
+      seed: the NumPy generator's seed (equal seeds give equal intervals).
+
+    Returns:
+      ``(low, high)``, the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of
+      the replicate means; None when there are no values.
+    """
+    if not 0 < level < 1:
+        raise ValueError(f"confidence level {level} must be in (0, 1)")
+    if resamples < 1:
+        raise ValueError(f"resamples={resamples} must be at least 1")
+    data = np.asarray(list(values), dtype=np.float64)
+    if data.size == 0:
+        return None
+    draws = np.random.default_rng(seed).integers(0, data.size, size=(resamples, data.size))
+    means = data[draws].mean(axis=1)
+    tail = (1.0 - level) / 2.0
+    low, high = np.quantile(means, [tail, 1.0 - tail])
+    return float(low), float(high)
+
+
 def _check_counts(n: int, k: int) -> None:
     if not 1 <= k <= n:
         raise ValueError(f"k={k} must be in [1, n={n}]")
@@ -104,7 +149,13 @@ def default_k_values(samples: int) -> tuple[int, ...]:
 
 
 def summarize(
-    episodes: Iterable[Any], k_values: Sequence[int], *, partial_credit: bool = False
+    episodes: Iterable[Any],
+    k_values: Sequence[int],
+    *,
+    partial_credit: bool = False,
+    ci_level: float = CI_LEVEL,
+    ci_resamples: int = CI_RESAMPLES,
+    ci_seed: int = CI_SEED,
 ) -> dict[str, Any]:
     """Benchmark metrics over graded episodes, several samples per task.
 
@@ -114,13 +165,17 @@ def summarize(
       k_values: the ``k`` of pass@k and best-of-k (1 is always added); those above
         the fewest scored samples of any task are dropped (choice 5).
       partial_credit: passed to ``rewards.task_reward`` for best-of-k.
+      ci_level, ci_resamples, ci_seed: the bootstrap intervals' settings
+        (``bootstrap_ci``).
 
     Returns:
-      ``{"k_values": [...], "samples_per_task": n_min, "overall": group,
-      "categories": {category: group}}``, where a group is ``{"tasks", "episodes",
-      "lost", "pass@1", "pass@K"..., "best_of_K"..., "task_reward",
-      "generated_tokens", "tool_calls", "segments", "finish_reasons": {reason:
-      count}}`` with one ``pass@K`` and ``best_of_K`` per kept ``K``.
+      ``{"k_values": [...], "samples_per_task": n_min, "ci_level": level,
+      "overall": group, "categories": {category: group}}``, where a group is
+      ``{"tasks", "episodes", "lost", "pass@1", "pass@K"..., "best_of_K"...,
+      "task_reward", "generated_tokens", "tool_calls", "segments",
+      "finish_reasons": {reason: count}}`` with one ``pass@K`` and ``best_of_K``
+      per kept ``K``; ``overall`` also holds ``"ci": {metric: (low, high)}`` for
+      ``pass@1`` and every ``pass@K`` and ``best_of_K`` (empty with no scored task).
     """
     by_task: dict[str, list[Any]] = collections.defaultdict(list)
     for episode in episodes:
@@ -131,12 +186,19 @@ def summarize(
     categories: dict[str, list[list[Any]]] = collections.defaultdict(list)
     for group in by_task.values():
         categories[group[0].category].append(group)
+    overall, per_task = _group_metrics(list(by_task.values()), kept, partial_credit)
+    overall["ci"] = {
+        key: bootstrap_ci(values, resamples=ci_resamples, level=ci_level, seed=ci_seed)
+        for key, values in per_task.items()
+        if values
+    }
     return {
         "k_values": kept,
         "samples_per_task": fewest,
-        "overall": _group_metrics(list(by_task.values()), kept, partial_credit),
+        "ci_level": ci_level,
+        "overall": overall,
         "categories": {
-            name: _group_metrics(groups, kept, partial_credit)
+            name: _group_metrics(groups, kept, partial_credit)[0]
             for name, groups in sorted(categories.items())
         },
     }
@@ -144,8 +206,9 @@ def summarize(
 
 def _group_metrics(
     tasks: list[list[Any]], k_values: list[int], partial_credit: bool
-) -> dict[str, Any]:
-    """The metrics of one set of tasks (choice 3: per task, then the mean over tasks)."""
+) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """The metrics of one set of tasks (choice 3: per task, then the mean over tasks),
+    and the per-task values they average (``{"pass@K" | "best_of_K": [...]}``)."""
     every = [e for group in tasks for e in group]
     scored_tasks = [[e for e in group if e.finish_reason != LOST] for group in tasks]
     scored_tasks = [group for group in scored_tasks if group]
@@ -158,18 +221,21 @@ def _group_metrics(
     per_task_rewards = [
         [task_reward(e.outcome(), partial_credit) for e in group] for group in scored_tasks
     ]
+    per_task: dict[str, list[float]] = {}
     for k in k_values:
-        out[f"pass@{k}"] = _mean(
+        per_task[f"pass@{k}"] = [
             pass_at_k(len(group), sum(e.resolved for e in group), k) for group in scored_tasks
-        )
-        out[f"best_of_{k}"] = _mean(best_of_k(rewards, k) for rewards in per_task_rewards)
+        ]
+        per_task[f"best_of_{k}"] = [best_of_k(rewards, k) for rewards in per_task_rewards]
+    for key, values in per_task.items():
+        out[key] = _mean(values)
     out["task_reward"] = _mean(float(np.mean(rewards)) for rewards in per_task_rewards)
     for key in ("generated_tokens", "tool_calls", "segments"):
         out[key] = _mean(float(getattr(e, key)) for e in scored)
     out["finish_reasons"] = dict(
         sorted(collections.Counter(e.finish_reason for e in every).items())
     )
-    return out
+    return out, per_task
 
 
 def _mean(values: Iterable[float]) -> float | None:

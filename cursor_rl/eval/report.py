@@ -13,6 +13,15 @@ Choices:
 3. **Before vs after RL** per benchmark: the last eval of stage ``sft`` (the SFT
    checkpoint, evaluated before RL starts) against the last of stage ``rl`` (or
    ``eval``): pass@1, pass@k, best-of-k, each per category, and episode lengths.
+   The "Learning" section adds the last eval of stage ``base`` (the long-context
+   checkpoint, before SFT; ``rl.eval.base``) and reads the three as base -> SFT ->
+   RL, each value with its bootstrap 95% interval over tasks
+   (``<metric>_ci_low`` / ``<metric>_ci_high`` of the row, ``runner.eval_row``).
+   Next to it: the copy probe of each training stage, first -> last
+   (``copy_probe``, ``train.probe_every``), the mean RL reward per step, and the
+   self-summarisation totals of the RL rollouts (``summarised_episodes`` of
+   ``scored_episodes`` per step, with ``summarised_reward`` and
+   ``unsummarised_reward``, from ``rl.loop.score_groups``).
 4. **A restart may log a step twice**; series keep the last row of each step, in
    step order. Wall time of a stage is the span of its rows' ``time`` (downtime
    between a crash and its resume included).
@@ -24,8 +33,10 @@ Choices:
 
 Plots written (when their data exists): ``loss.png`` (train and eval loss, a panel
 per stage), ``rl_reward.png`` (RL reward; train pass@1 and held-out pass@1 /
-best-of-k over RL steps, the SFT checkpoint's held-out pass@1 as a baseline),
-``rl_length.png`` (generated tokens and tool calls per episode over RL steps).
+best-of-k over RL steps, the base and SFT checkpoints' held-out pass@1 as
+baselines), ``rl_length.png`` (generated tokens and tool calls per episode over RL
+steps), ``learning.png`` (held-out pass@1 and best-of-k of base, SFT and RL with
+their intervals), ``copy_probe.png`` (the copy probe over steps, a panel per stage).
 """
 
 from __future__ import annotations
@@ -44,6 +55,15 @@ from cursor_rl.train.metrics import read_metrics
 
 STAGE_ORDER = ("pretrain", "long_context", "sft", "rl", "eval")
 AFTER_STAGES = ("rl", "eval")
+BASE_STAGE = "base"  # the eval of the model before SFT (rl.loop.evaluate_base)
+# The learning table's rows: label, the eval stages whose last row it shows, and
+# what to say when there is none.
+CHECKPOINTS = (
+    ("base", (BASE_STAGE,), "not evaluated (rl.eval.base off, or no long_context checkpoint)"),
+    ("SFT", ("sft",), "not evaluated (no eval before RL)"),
+    ("RL", AFTER_STAGES, "not evaluated (no eval after RL yet)"),
+)
+MAX_STEP_ROWS = 25  # the RL per-step table shows at most this many steps
 _HEADLINE = ("pass@1", "pass@k", "best_of_k")
 _CATEGORY_KEY = re.compile(r"^(pass@1|pass@k|best_of_k)/(.+)$")
 
@@ -68,6 +88,8 @@ def write_report(workdir: str, *, registry_path: str | None = None) -> str:
         "loss.png": _plot_losses(training, stages),
         "rl_reward.png": _plot_rl_reward(training, evals),
         "rl_length.png": _plot_rl_length(training),
+        "learning.png": _plot_learning(evals),
+        "copy_probe.png": _plot_copy_probe(training, stages),
     }
     written = []
     for name, figure in plots.items():
@@ -81,6 +103,7 @@ def write_report(workdir: str, *, registry_path: str | None = None) -> str:
         f"Written {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')} "
         f"from {len(rows)} rows of metrics.jsonl.",
         "## Stages\n\n" + _stage_table(rows, stages),
+        "## Learning\n\n" + _learning(evals, training, stages),
         "## RL\n\n" + _rl_table(training),
         "## Held-out benchmark: before vs after RL\n\n" + _before_after(evals),
         "## Plots\n\n" + _plot_links(written),
@@ -95,8 +118,9 @@ def write_report(workdir: str, *, registry_path: str | None = None) -> str:
 
 
 def _stages(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """Stages present, in recipe order, then any others in order of appearance."""
-    seen = list(dict.fromkeys(r["stage"] for r in rows if "stage" in r))
+    """Stages present, in recipe order, then any others in order of appearance (not
+    ``base``: it labels an eval of the long-context checkpoint, not a stage that ran)."""
+    seen = [s for s in dict.fromkeys(r["stage"] for r in rows if "stage" in r) if s != BASE_STAGE]
     return [s for s in STAGE_ORDER if s in seen] + [s for s in seen if s not in STAGE_ORDER]
 
 
@@ -104,11 +128,17 @@ def _of_stage(rows: Iterable[dict[str, Any]], stage: str) -> list[dict[str, Any]
     return [r for r in rows if r.get("stage") == stage]
 
 
+def _by_step(rows: Iterable[dict[str, Any]], key: str) -> dict[int, dict[str, Any]]:
+    """The last row of each step that has a number under ``key``, in step order
+    (choice 4)."""
+    last = {int(r["step"]): r for r in rows if _number(r.get(key)) and "step" in r}
+    return dict(sorted(last.items()))
+
+
 def _series(rows: Iterable[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of ``key``: the last row of each step, in step order (choice 4)."""
-    by_step = {int(r["step"]): r[key] for r in rows if _number(r.get(key)) and "step" in r}
-    steps = sorted(by_step)
-    return steps, [float(by_step[s]) for s in steps]
+    by_step = _by_step(rows, key)
+    return list(by_step), [float(r[key]) for r in by_step.values()]
 
 
 def _number(value: Any) -> bool:
@@ -175,6 +205,168 @@ def _rl_table(training: Sequence[dict[str, Any]]) -> str:
     return "Training rollouts, first → last logged step.\n\n" + _table(
         ["metric", "first → last"], body
     )
+
+
+def _learning(
+    evals: Sequence[dict[str, Any]], training: Sequence[dict[str, Any]], stages: Sequence[str]
+) -> str:
+    return "\n\n".join(
+        [
+            "### Held-out benchmark: base → SFT → RL\n\n" + _checkpoint_tables(evals),
+            "### Copy probe\n\n" + _copy_probe_table(training, stages),
+            "### RL reward per step\n\n" + _reward_steps(training),
+            "### Self-summarisation in RL rollouts\n\n" + _summarisation(training),
+        ]
+    )
+
+
+def _checkpoint_tables(evals: Sequence[dict[str, Any]]) -> str:
+    if not evals:
+        return "No held-out evaluation recorded."
+    parts = []
+    for bench in dict.fromkeys(r["bench"] for r in evals):
+        picked = _checkpoint_evals([r for r in evals if r["bench"] == bench])
+        present = [row for _, row, _ in picked if row is not None]
+        ks = {row.get("k") for row in present}
+        k = ks.pop() if len(ks) == 1 else None
+        level = next((r["ci_level"] for r in present if _number(r.get("ci_level"))), 0.95)
+        ci = f"[{level:.0%} CI]"
+        header = [
+            "checkpoint",
+            "eval",
+            f"pass@1 {ci}",
+            f"pass@{k or 'k'} {ci}",
+            f"best-of-{k or 'k'} {ci}",
+            "tasks × samples",
+        ]
+        body, missing = [], []
+        for label, row, why in picked:
+            if row is None:
+                body.append([label, "-", "-", "-", "-", "-"])
+                missing.append(f"{label}: {why}.")
+                continue
+            suffix = "" if k is not None else f" (k={row.get('k', '-')})"
+            body.append(
+                [
+                    label,
+                    f"{row.get('stage')} step {row.get('step')}",
+                    _with_ci(row, "pass@1"),
+                    _with_ci(row, "pass@k") + suffix,
+                    _with_ci(row, "best_of_k") + suffix,
+                    f"{_fmt(row.get('tasks'))} × {_fmt(row.get('samples_per_task'))}",
+                ]
+            )
+        text = f"#### {bench}\n\n" + _table(header, body)
+        if missing:
+            text += "\n\n" + "\n".join(f"- {line}" for line in missing)
+        parts.append(text)
+    note = (
+        "Intervals: percentile bootstrap over tasks (cursor_rl.eval.metrics.bootstrap_ci: "
+        "tasks resampled with replacement, seeded; a task's pass@1 is the fraction of its "
+        "samples that passed)."
+    )
+    return "\n\n".join([note, *parts])
+
+
+def _checkpoint_evals(
+    evals: Sequence[dict[str, Any]],
+) -> list[tuple[str, dict[str, Any] | None, str]]:
+    """(label, the last eval of its stages or None, why it may be missing) per
+    ``CHECKPOINTS`` entry, for one benchmark's eval rows."""
+    return [
+        (label, next((r for r in reversed(evals) if r.get("stage") in wanted), None), why)
+        for label, wanted, why in CHECKPOINTS
+    ]
+
+
+def _with_ci(row: dict[str, Any], key: str) -> str:
+    """``value [low, high]``, or the value alone when the row has no interval."""
+    low, high = row.get(f"{key}_ci_low"), row.get(f"{key}_ci_high")
+    text = _fmt(row.get(key))
+    if _number(low) and _number(high):
+        text += f" [{_fmt(low)}, {_fmt(high)}]"
+    return text
+
+
+def _copy_probe_table(training: Sequence[dict[str, Any]], stages: Sequence[str]) -> str:
+    body = []
+    for stage in stages:
+        steps, values = _series(_of_stage(training, stage), "copy_probe")
+        if steps:
+            body.append(
+                [
+                    stage,
+                    f"{_fmt(values[0])} (step {steps[0]})",
+                    f"{_fmt(values[-1])} (step {steps[-1]})",
+                    str(len(steps)),
+                ]
+            )
+    if not body:
+        return "No copy probe logged (train.probe_every is 0, or no training stage ran)."
+    return "Copy accuracy on repeated random spans (cursor_rl.train.copy_probe).\n\n" + _table(
+        ["stage", "first", "last", "probes"], body
+    )
+
+
+def _reward_steps(training: Sequence[dict[str, Any]]) -> str:
+    rl = _of_stage(training, "rl")
+    by_step = _by_step(rl, "reward")
+    if not by_step:
+        return "No RL training rows."
+    columns = [
+        (key, name)
+        for key, name in (
+            ("reward", "mean reward"),
+            ("pass@1", "train pass@1"),
+            ("scored_episodes", "episodes"),
+            ("summarised_episodes", "summarised"),
+            ("summarised_reward", "reward (summarised)"),
+            ("unsummarised_reward", "reward (not summarised)"),
+        )
+        if any(key in r for r in by_step.values())
+    ]
+    steps = list(by_step)
+    note = ""
+    if len(steps) > MAX_STEP_ROWS:
+        picks = {round(i * (len(steps) - 1) / (MAX_STEP_ROWS - 1)) for i in range(MAX_STEP_ROWS)}
+        steps = [steps[i] for i in sorted(picks)]
+        note = (
+            f" ({len(steps)} of {len(by_step)} steps, evenly spaced; every step in rl_reward.png)"
+        )
+    body = [[str(step)] + [_fmt(by_step[step].get(key)) for key, _ in columns] for step in steps]
+    return f"Training rollouts, one row per RL step{note}.\n\n" + _table(
+        ["step", *(name for _, name in columns)], body
+    )
+
+
+def _summarisation(training: Sequence[dict[str, Any]]) -> str:
+    by_step = _by_step(_of_stage(training, "rl"), "summarised_episodes")
+    if not by_step:
+        return "No summarisation counts in the RL rows (summarised_episodes not logged)."
+    rows = list(by_step.values())
+    summarised = sum(int(r["summarised_episodes"]) for r in rows)
+    scored = sum(int(r.get("scored_episodes", 0)) for r in rows)
+    share = f" ({summarised / scored:.1%})" if scored else ""
+    lines = [
+        f"{summarised} of {scored} scored episodes{share} over {len(rows)} RL steps "
+        "wrote at least one self-summary."
+    ]
+    if not summarised:
+        lines.append("No episode reached rl.rollout.summary_threshold (or it is 0).")
+    for key, count_of, label in (
+        ("summarised_reward", lambda r: int(r["summarised_episodes"]), "that summarised"),
+        (
+            "unsummarised_reward",
+            lambda r: max(0, int(r.get("scored_episodes", 0)) - int(r["summarised_episodes"])),
+            "that did not",
+        ),
+    ):
+        weighted = [(count_of(r), float(r[key])) for r in rows if _number(r.get(key))]
+        total = sum(n for n, _ in weighted)
+        if total:
+            mean = sum(n * v for n, v in weighted) / total
+            lines.append(f"Mean reward of the {total} episodes {label}: {_fmt(mean)}.")
+    return "\n\n".join(lines)
 
 
 def _before_after(evals: Sequence[dict[str, Any]]) -> str:
@@ -309,13 +501,62 @@ def _plot_rl_reward(training: Sequence[dict[str, Any]], evals: Sequence[dict[str
         if steps:
             k = rl_evals[bench][-1].get("k", "k")
             ax_pass.plot(steps, values, "s:", label=f"{bench} best-of-{k}")
-        sft = [r for r in evals if r["bench"] == bench and r.get("stage") == "sft"]
-        if sft and _number(sft[-1].get("pass@1")):
-            ax_pass.axhline(sft[-1]["pass@1"], linestyle="--", color="gray", label=f"{bench} SFT")
+        for stage, name, color in ((BASE_STAGE, "base", "silver"), ("sft", "SFT", "gray")):
+            done = [r for r in evals if r["bench"] == bench and r.get("stage") == stage]
+            if done and _number(done[-1].get("pass@1")):
+                ax_pass.axhline(
+                    done[-1]["pass@1"], linestyle="--", color=color, label=f"{bench} {name}"
+                )
     ax_pass.set(title="pass@1", xlabel="RL step", ylabel="fraction solved", ylim=(-0.02, 1.02))
     for ax in (ax_reward, ax_pass):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
+    return figure
+
+
+def _plot_learning(evals: Sequence[dict[str, Any]]):
+    """Held-out pass@1 and best-of-k of base, SFT and RL, with their intervals."""
+    benches = list(dict.fromkeys(r["bench"] for r in evals))
+    points = []  # (bench, [(x, row)]): x is the checkpoint's place on the axis
+    for bench in benches:
+        picked = _checkpoint_evals([r for r in evals if r["bench"] == bench])
+        present = [(x, row) for x, (_, row, _) in enumerate(picked) if row is not None]
+        if present:
+            points.append((bench, present))
+    if not points:
+        return None
+    figure, (ax,) = _figure(1)
+    width = 0.8 / (2 * len(points))
+    for b, (bench, present) in enumerate(points):
+        for m, (key, marker) in enumerate((("pass@1", "o"), ("best_of_k", "s"))):
+            shown = [(x, row) for x, row in present if _number(row.get(key))]
+            if not shown:
+                continue
+            offset = (2 * b + m + 0.5) * width - 0.4
+            xs = [x + offset for x, _ in shown]
+            ys = [float(row[key]) for _, row in shown]
+            errors = [
+                [y - float(row.get(f"{key}_ci_low", y)) for y, (_, row) in zip(ys, shown)],
+                [float(row.get(f"{key}_ci_high", y)) - y for y, (_, row) in zip(ys, shown)],
+            ]
+            k = shown[-1][1].get("k", "k")
+            name = "pass@1" if key == "pass@1" else f"best-of-{k}"
+            ax.errorbar(xs, ys, yerr=errors, fmt=marker, capsize=4, label=f"{bench} {name}")
+    ax.set_xticks(range(len(CHECKPOINTS)), [label for label, _, _ in CHECKPOINTS])
+    ax.set(title="held-out benchmark (95% CI)", ylabel="fraction solved", ylim=(-0.02, 1.02))
+    ax.legend(fontsize="small")
+    return figure
+
+
+def _plot_copy_probe(training: Sequence[dict[str, Any]], stages: Sequence[str]):
+    probed = [s for s in stages if _series(_of_stage(training, s), "copy_probe")[0]]
+    if not probed:
+        return None
+    figure, axes = _figure(len(probed))
+    for ax, stage in zip(axes, probed):
+        ax.plot(*_series(_of_stage(training, stage), "copy_probe"), "o-")
+        ax.set(title=f"copy probe: {stage}", xlabel="step", ylabel="copy accuracy")
+        ax.set_ylim(-0.02, 1.02)
     return figure
 
 

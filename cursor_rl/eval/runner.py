@@ -21,7 +21,11 @@ Choices:
 4. **One flat row per eval** (``eval_row``) for ``metrics.jsonl``: ``bench``
    marks it as a held-out eval (RL training rows carry ``pass@1`` too, without
    ``bench``); ``k`` is the largest kept ``k`` and ``pass@k`` / ``best_of_k`` its
-   values; per-category keys are suffixed ``/<category>``.
+   values; per-category keys are suffixed ``/<category>``. The row carries the
+   bootstrap 95% interval over tasks (``metrics.bootstrap_ci``) of the three
+   headline values as ``<metric>_ci_low`` / ``<metric>_ci_high``, and
+   ``samples_per_task``, so a report can print "pass@1 [CI], tasks x samples" from
+   the row alone.
 5. Object-store paths (``gs://``) cannot append, so there the file is rewritten
    whole, as ``cursor_rl.train.metrics.MetricsWriter`` does.
 """
@@ -150,10 +154,13 @@ def eval_row(summary: dict[str, Any]) -> dict[str, Any]:
 
     Returns:
       ``bench``, ``pass@1``, ``k``, ``pass@k``, ``best_of_k``, ``pass@K`` and
-      ``best_of_K`` for every kept ``K``, the counts (``tasks``, ``episodes``,
-      ``lost``), ``task_reward``, mean ``generated_tokens``, ``tool_calls`` and
-      ``segments``, ``finish/<reason>`` fractions of episodes, and ``pass@1/<cat>``,
-      ``pass@k/<cat>``, ``best_of_k/<cat>`` per category.
+      ``best_of_K`` for every kept ``K``, the interval bounds ``pass@1_ci_low``,
+      ``pass@1_ci_high``, ``pass@k_ci_low``, ``pass@k_ci_high``,
+      ``best_of_k_ci_low``, ``best_of_k_ci_high`` and their ``ci_level``, the counts
+      (``tasks``, ``samples_per_task``, ``episodes``, ``lost``), ``task_reward``,
+      mean ``generated_tokens``, ``tool_calls`` and ``segments``, ``finish/<reason>``
+      fractions of episodes, and ``pass@1/<cat>``, ``pass@k/<cat>``,
+      ``best_of_k/<cat>`` per category.
     """
     ks = summary["k_values"]
     overall = summary["overall"]
@@ -162,6 +169,17 @@ def eval_row(summary: dict[str, Any]) -> dict[str, Any]:
     for k in ks:
         row[f"pass@{k}"] = overall[f"pass@{k}"]
         row[f"best_of_{k}"] = overall[f"best_of_{k}"]
+    intervals = overall.get("ci", {})
+    if ks:
+        for name, key in (
+            ("pass@1", "pass@1"),
+            ("pass@k", f"pass@{ks[-1]}"),
+            ("best_of_k", f"best_of_{ks[-1]}"),
+        ):
+            if intervals.get(key) is not None:
+                row[f"{name}_ci_low"], row[f"{name}_ci_high"] = intervals[key]
+        row["ci_level"] = summary.get("ci_level")
+    row["samples_per_task"] = summary.get("samples_per_task")
     for key in (
         "tasks",
         "episodes",

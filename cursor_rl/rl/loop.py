@@ -49,6 +49,12 @@ from cursor_rl.train.metrics import MetricsWriter, Progress
 log = logging.getLogger(__name__)
 
 ROLES = ("colocated", "trainer", "sampler")
+# The checkpoint evaluated as the "base" row (rl.eval.base): the model as it stands
+# before SFT, i.e. the long-context stage's last checkpoint. It is loaded into the
+# sampler as version -1, which no published policy has, so the next ``load_newest``
+# swaps the run's policy back in.
+BASE_STAGE = "long_context"
+BASE_VERSION = -1
 
 
 # ---- the bridge ---------------------------------------------------------------------
@@ -120,12 +126,17 @@ def score_groups(
     """Rewards per episode (by group), advantages, and the episodes worth training on.
 
     Lost episodes are dropped; zero-variance groups too when configured (choice 2
-    of ``grpo``). Returns (episodes, advantages, metrics).
+    of ``grpo``). Returns (episodes, advantages, metrics). The metrics split the
+    scored episodes by self-summarisation: ``summarised_episodes`` of
+    ``scored_episodes`` wrote at least one summary; ``summarised_reward`` and
+    ``unsummarised_reward`` are the mean rewards of the two parts (absent when a
+    part is empty).
     """
     groups: dict[int, list[Episode]] = {}
     for episode in episodes:
         groups.setdefault(episode.task_index, []).append(episode)
     kept, advantages, all_rewards = [], [], []
+    by_summary: dict[bool, list[float]] = {True: [], False: []}
     dropped_groups = 0
     for group in groups.values():
         group = [e for e in group if e.finish_reason != "lost"]
@@ -134,6 +145,7 @@ def score_groups(
         group_rewards = rewards.group_rewards([e.outcome() for e in group], reward_config)
         for e, r in zip(group, group_rewards):
             e.grade["reward"] = r
+            by_summary[bool(e.summary_tokens)].append(r)
         all_rewards += group_rewards
         if grpo_config.drop_zero_variance and not grpo.has_signal(group_rewards):
             dropped_groups += 1
@@ -144,7 +156,12 @@ def score_groups(
         "reward": float(np.mean(all_rewards)) if all_rewards else 0.0,
         "zero_variance_groups": dropped_groups,
         "groups": len(groups),
+        "scored_episodes": len(all_rewards),
+        "summarised_episodes": len(by_summary[True]),
     }
+    for summarised, name in ((True, "summarised_reward"), (False, "unsummarised_reward")):
+        if by_summary[summarised]:
+            metrics[name] = float(np.mean(by_summary[summarised]))
     return kept, advantages, metrics
 
 
@@ -341,6 +358,23 @@ class _SamplerSide:
         registry.record(summary)
         return row
 
+    def evaluate_base(self, writer: MetricsWriter) -> dict[str, Any]:
+        """Held-out eval of the model before SFT (``BASE_STAGE``'s checkpoint), stage
+        ``base``, at that checkpoint's step: the baseline the SFT and RL evals are read
+        against. Skipped with a log line when the run has no such checkpoint."""
+        path = checkpoints.latest_checkpoint(
+            checkpoints.checkpoint_dir(self.ctx.workdir, BASE_STAGE)
+        )
+        if path is None:
+            log.info(
+                "no %s checkpoint in %s: the base model is not evaluated",
+                BASE_STAGE,
+                self.ctx.workdir,
+            )
+            return {}
+        self.sampler.load_checkpoint(path, BASE_VERSION)
+        return self.evaluate("base", int(os.path.basename(path)), writer)
+
     def close(self) -> None:
         self.pool.shutdown()
 
@@ -413,9 +447,8 @@ def _run_colocated(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]
     try:
         trainer.publish()
         steps = int(rl.num_steps)
-        if trainer.batches_done == 0 and int(rl.eval.every) >= 0 and not _evaluated(ctx, "sft"):
-            sampler_side.load_newest(0)
-            evals["before"] = sampler_side.evaluate("sft", 0, writer)
+        if trainer.batches_done == 0 and int(rl.eval.every) >= 0:
+            evals.update(_evaluate_before_rl(ctx, sampler_side, writer))
         row: dict[str, Any] = {}
         while trainer.batches_done < steps:
             index = trainer.batches_done
@@ -449,6 +482,18 @@ def _run_colocated(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]
     }
 
 
+def _evaluate_before_rl(ctx: _Context, side: _SamplerSide, writer) -> dict[str, Any]:
+    """The held-out evals before the first RL step, each once per run: the base model
+    (``rl.eval.base``), then the SFT checkpoint (policy version 0)."""
+    evals = {}
+    if bool(ctx.cfg.rl.eval.base) and not _evaluated(ctx, "base"):
+        evals["base"] = side.evaluate_base(writer)
+    if not _evaluated(ctx, "sft"):
+        side.load_newest(0)  # also swaps the policy back in after the base eval
+        evals["before"] = side.evaluate("sft", 0, writer)
+    return evals
+
+
 def _evaluated(ctx: _Context, stage: str) -> bool:
     from cursor_rl.train.metrics import read_metrics
 
@@ -477,8 +522,8 @@ def _run_sampler(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]:
     produced = 0
     try:
         version = side.load_newest(0)
-        if version == 0 and int(rl.eval.every) >= 0 and not _evaluated(ctx, "sft"):
-            side.evaluate("sft", 0, writer)
+        if version == 0 and int(rl.eval.every) >= 0:
+            _evaluate_before_rl(ctx, side, writer)
         last_eval = version
         while not store.done:
             index = store.cursor()
