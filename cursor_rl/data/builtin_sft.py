@@ -465,8 +465,8 @@ def build_tiny_tasks(
     """
     from cursor_rl.tasks import build
 
-    # One worker: CPython 3.11.7's ast.parse is not thread-safe (intermittent
-    # "AST constructor recursion depth mismatch" SystemError in the generators).
+    # One worker: with several, which repositories fill ``count`` first depends on
+    # thread timing, and the shipped set should come out the same on every run.
     config = build.BuildConfig(
         source="tiny",
         out=out_dir,
