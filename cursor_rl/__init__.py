@@ -1,6 +1,6 @@
-"""cursor_rl: continued pretraining and agentic RL for MoE coding models, in JAX."""
+"""cursor_rl: continued pretraining and agentic RL for MoE coding models, in JAX.
 
-from cursor_rl import host_malloc
-
-# Before any JAX computation starts XLA's threads (see host_malloc for why).
-host_malloc.configure()
+Importing the package (or any of its modules) changes nothing process-wide; entry
+points that want glibc's malloc tuned for XLA call ``host_malloc.configure()`` first
+(``cursor_rl/main.py`` does).
+"""
