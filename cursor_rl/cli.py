@@ -16,7 +16,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from cursor_rl import config_lib, pipeline
+from cursor_rl import pipeline, stages
 from cursor_rl.train.loop import Preempted
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
@@ -45,7 +45,7 @@ def main(argv):
     logging.getLogger("cursor_rl").setLevel(logging.INFO)
     absl_logging.set_verbosity(absl_logging.WARNING)
     overrides = config_flags.get_override_values(flags.FLAGS["config"])
-    config = config_lib.apply_command_line(_CONFIG.value, overrides)
+    config = stages.apply_command_line(_CONFIG.value, overrides)
     try:
         rows = pipeline.run(config, _WORKDIR.value)
     except Preempted as e:

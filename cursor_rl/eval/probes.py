@@ -42,8 +42,9 @@ import numpy as np
 from absl import app, flags
 
 from cursor_rl import checkpoints, model
-from cursor_rl.data.tokenizer import SPECIAL_TOKENS
+from cursor_rl.chat.tokenizer import SPECIAL_TOKENS
 from cursor_rl.model.config import ModelConfig
+from cursor_rl.sampler import weights  # the sampler's params-only restore
 
 DEFAULT_LOW = len(SPECIAL_TOKENS)  # choice 3: a tokenizer trained here puts them first
 _KEYS = ("tokens", "targets", "positions", "segment_ids", "score_mask")
@@ -155,8 +156,6 @@ def checkpoint_paths(workdir: str, stage: str) -> list[str]:
 
 def probe_checkpoint(path: str, **row_kwargs: Any) -> dict[str, float]:
     """Restores the parameters of checkpoint ``path`` and runs ``copy_score`` on them."""
-    from cursor_rl.sampler import weights  # the sampler's params-only restore
-
     config = checkpoints.model_config_from_metadata(checkpoints.read_metadata(path), path)
     variables, _ = weights.restore_checkpoint(path, config, None)
     return copy_score(config, variables, **row_kwargs)

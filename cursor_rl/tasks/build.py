@@ -43,7 +43,16 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
-from cursor_rl.tasks import autoinstall, generators, records, sources, splits, tiny, validation
+from cursor_rl.data import splits
+from cursor_rl.tasks import (
+    autoinstall,
+    contamination,
+    generators,
+    records,
+    sources,
+    tiny,
+    validation,
+)
 from cursor_rl.tasks.generators.base import SourceRepo
 
 STATS_FILE = "stats.json"
@@ -368,8 +377,6 @@ def build(config: BuildConfig, *, log: Callable[[str], None] = print) -> dict[st
 
     reference = None
     if config.decontaminate_against or config.decontaminate_corpus:
-        from cursor_rl.tasks import contamination
-
         train = (
             records.load_tasks(config.decontaminate_against) if config.decontaminate_against else []
         )
