@@ -17,7 +17,11 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from cursor_rl import host_malloc  # noqa: F401, I001  (before numpy/XLA threads)
+# ruff: noqa: E402 (the imports below follow host_malloc.configure() on purpose)
+from cursor_rl import host_malloc
+
+host_malloc.configure()  # before numpy and XLA start threads (see host_malloc)
+
 import jax
 import jax.numpy as jnp
 import numpy as np

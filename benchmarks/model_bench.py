@@ -24,10 +24,14 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# First, before numpy, torch or XLA start threads: importing cursor_rl sets glibc
-# malloc up so XLA reuses its scratch memory instead of page-faulting it every step
-# (cursor_rl/host_malloc.py). It leaves PyTorch's speed unchanged (measured).
-from cursor_rl import host_malloc  # noqa: I001
+# ruff: noqa: E402 (the imports below follow host_malloc.configure() on purpose)
+from cursor_rl import host_malloc
+
+# First, before numpy, torch or XLA start threads: glibc malloc set up so XLA reuses
+# its scratch memory instead of page-faulting it every step (cursor_rl/host_malloc.py).
+# It leaves PyTorch's speed unchanged (measured).
+host_malloc.configure()
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -19,6 +19,11 @@ import os
 import tempfile
 import time
 
+# ruff: noqa: E402 (the imports below follow host_malloc.configure() on purpose)
+from cursor_rl import host_malloc
+
+host_malloc.configure()  # before numpy and XLA start threads (see host_malloc)
+
 import jax
 import numpy as np
 

@@ -28,9 +28,9 @@ import time
 
 from absl import app, flags
 
+from cursor_rl.chat.protocol import ToolCall
 from cursor_rl.env import sandbox, testing
 from cursor_rl.env.pool import ToolPool
-from cursor_rl.env.protocol import ToolCall
 from cursor_rl.env.sandbox import Sandbox
 from cursor_rl.env.tools import ToolConfig, Tools
 

@@ -35,6 +35,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from cursor_rl.model.config import ModelConfig
+
 PARAMS, TRAIN, DATA, METADATA = "params", "train", "data", "metadata"
 _COMMIT_MARKER = "commit_success.txt"  # written by Orbax when a step is finalised
 
@@ -205,10 +207,10 @@ def make_metadata(
     return metadata
 
 
-def model_config_from_metadata(metadata: Mapping[str, Any], where: str = "checkpoint"):
+def model_config_from_metadata(
+    metadata: Mapping[str, Any], where: str = "checkpoint"
+) -> ModelConfig:
     """The ModelConfig a checkpoint was written with."""
-    from cursor_rl.model.config import ModelConfig
-
     if "model_config" not in metadata:
         raise CheckpointError(f"{where}: metadata has no model_config")
     return ModelConfig.from_dict(metadata["model_config"])

@@ -2,11 +2,15 @@
 
 Each ``configs/NAME.py`` builds on ``base_config()`` and returns a ConfigDict. A
 config holds every stage's settings; ``stage_overrides.<stage>`` holds what a
-stage changes relative to the rest (merged by ``stage_config``). A command-line
-override of a shared field such as ``--config.train.num_steps=2`` applies to every
-stage of the run, including stages whose ``stage_overrides`` set that field
-(``apply_command_line``); ``--config.stage_overrides.sft.train.num_steps=N`` changes
-one stage only.
+stage changes relative to the rest (merged by ``cursor_rl.stages.stage_config``). A
+command-line override of a shared field such as ``--config.train.num_steps=2``
+applies to every stage of the run, including stages whose ``stage_overrides`` set
+that field (``stages.apply_command_line``);
+``--config.stage_overrides.sft.train.num_steps=N`` changes one stage only.
+
+The defaults come from the dataclasses of the sections' owners (data, harness, RL),
+so this module sits on the top floor, above all of them; nothing in the package
+imports it.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ from typing import Any
 
 import ml_collections
 
+from cursor_rl.data.pipeline import DataConfig
+from cursor_rl.env.harness import DEFAULT_SYSTEM_PROMPT
 from cursor_rl.model.config import ModelConfig
-
-# Stages the next-token trainer runs, then the RL stage; "all" runs every one in order.
-TRAIN_STAGES = ("pretrain", "long_context", "sft")
-STAGES = (*TRAIN_STAGES, "rl")
-PIPELINE_STAGES = ("all", *STAGES)
+from cursor_rl.rl.grpo import GRPOConfig
+from cursor_rl.rl.rewards import RewardConfig
+from cursor_rl.rl.rollout import RolloutConfig
+from cursor_rl.stages import STAGES
 
 
 def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
@@ -68,18 +73,7 @@ def model_section(model: ModelConfig) -> ml_collections.ConfigDict:
     return section
 
 
-def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-    """The ModelConfig of a (stage) config; a rope_scaling factor <= 1 means none."""
-    values = config.model.to_dict()
-    rs = values.get("rope_scaling")
-    if rs is not None and float(rs["factor"]) <= 1.0:
-        values["rope_scaling"] = None
-    return ModelConfig.from_dict(values)
-
-
 def _data_defaults() -> dict[str, Any]:
-    from cursor_rl.data.pipeline import DataConfig
-
     values = dataclasses.asdict(DataConfig())
     # None = "the benchmark modules"; keep it overridable with a list of names.
     values["exclude_modules"] = ml_collections.FieldReference(None, field_type=tuple)
@@ -88,10 +82,6 @@ def _data_defaults() -> dict[str, Any]:
 
 def _rl_defaults() -> ml_collections.ConfigDict:
     """The RL stage's section; rollout, reward and GRPO defaults come from their dataclasses."""
-    from cursor_rl.rl.grpo import GRPOConfig
-    from cursor_rl.rl.rewards import RewardConfig
-    from cursor_rl.rl.rollout import RolloutConfig
-
     rl = ml_collections.ConfigDict()
     rl.role = "colocated"  # colocated | trainer | sampler (two programs, see rl/loop.py)
     rl.num_steps = 20  # GRPO updates (= policy versions)
@@ -200,8 +190,6 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint.fallback_to_previous = True  # a corrupt latest checkpoint -> use the one before
 
     # The agent harness, shared by SFT demonstrations and RL episodes.
-    from cursor_rl.env.harness import DEFAULT_SYSTEM_PROMPT
-
     c.harness = ml_collections.ConfigDict()
     c.harness.system_prompt = DEFAULT_SYSTEM_PROMPT
     c.harness.tools_style = "json"  # json | compact (protocol.tools_prompt)
@@ -210,7 +198,7 @@ def base_config() -> ml_collections.ConfigDict:
     # training tasks (rl.tasks), in the harness; 0 = only data.sft_sources.
     c.sft_data = ml_collections.ConfigDict()
     c.sft_data.demos = 0
-    c.sft_data.plan = "full"  # full | short (cursor_rl.data.builtin_sft.plan_episode)
+    c.sft_data.plan = "full"  # full | short (cursor_rl.tasks.builtin_sft.plan_episode)
     c.sft_data.workers = 2
 
     c.rl = _rl_defaults()
@@ -219,67 +207,3 @@ def base_config() -> ml_collections.ConfigDict:
     for stage in STAGES:
         c.stage_overrides[stage] = ml_collections.ConfigDict()
     return c
-
-
-def _merge(base: ml_collections.ConfigDict, overrides: ml_collections.ConfigDict, where: str):
-    for key, value in overrides.items():
-        if key not in base:
-            raise ValueError(f"stage_overrides.{where}{key}: no such field in the config")
-        if isinstance(value, ml_collections.ConfigDict) and isinstance(
-            base[key], ml_collections.ConfigDict
-        ):
-            _merge(base[key], value, f"{where}{key}.")
-        else:
-            base[key] = value
-
-
-def apply_command_line(
-    config: ml_collections.ConfigDict, overrides: dict[str, Any]
-) -> ml_collections.ConfigDict:
-    """Makes command-line overrides of shared fields win over the config's stage overrides.
-
-    ``--config.train.num_steps=20`` sets ``config.train.num_steps``, but a stage whose
-    ``stage_overrides`` also sets ``train.num_steps`` would silently keep its own value.
-    Here every such stage override takes the command-line value too, so the flag means
-    what it says for whichever stage runs. Overrides under ``stage_overrides.`` are
-    left as given (they already target one stage).
-
-    Args:
-      config: the loaded config, command-line values already applied (changed in place).
-      overrides: the command line's ``{dotted.path: value}``
-        (``ml_collections.config_flags.get_override_values``).
-
-    Returns:
-      ``config``.
-    """
-    for path, value in overrides.items():
-        if path.startswith("stage_overrides."):
-            continue
-        *sections, field = path.split(".")
-        for stage in STAGES:
-            node = config.stage_overrides[stage]
-            for section in sections:
-                node = node.get(section) if isinstance(node, ml_collections.ConfigDict) else None
-            if isinstance(node, ml_collections.ConfigDict) and field in node:
-                node[field] = value
-    return config
-
-
-def stage_config(config: ml_collections.ConfigDict, stage: str) -> ml_collections.ConfigDict:
-    """The config one stage runs with: ``config`` + ``config.stage_overrides[stage]``.
-
-    The *model* overrides of earlier stages carry forward: a stage continues its
-    predecessor's checkpoint, so the architecture it was trained with (e.g. the
-    long-context stage's YaRN scaling) stays with the weights in SFT and RL. Every
-    other section (train, optimizer, data) is the stage's own.
-    """
-    if stage not in STAGES:
-        raise ValueError(f"stage={stage!r} is not one of {STAGES}")
-    result = ml_collections.ConfigDict(config.to_dict())
-    result.stage = stage
-    for earlier in STAGES[: STAGES.index(stage)]:
-        model = config.stage_overrides[earlier].get("model")
-        if model:
-            _merge(result.model, model, f"{earlier}.model.")
-    _merge(result, config.stage_overrides[stage], f"{stage}.")
-    return result

@@ -13,10 +13,12 @@ memory back (``M_TRIM_THRESHOLD=-1``), so the block is reused without new faults
 
 It must run before other threads allocate (numpy's OpenBLAS pool starts at import,
 XLA's workers at the first computation): a thread that allocated before it keeps an
-arena of its own, where blocks that large are mmapped again. ``cursor_rl/__init__.py``
-calls it, so ``python -m cursor_rl.<module>`` is covered; scripts import ``cursor_rl``
-before numpy and jax (``benchmarks/``, ``tests/conftest.py``). Later, it does no harm
-but may not help.
+arena of its own, where blocks that large are mmapped again. So it is an entry
+point's first act, never an import's side effect: ``cursor_rl/main.py`` calls it
+before importing the rest of ``python -m cursor_rl.main``; ``benchmarks/`` and
+``tests/conftest.py`` call it before importing numpy and jax. Later, it does no harm
+but may not help. Importing ``cursor_rl`` leaves malloc alone (a sandbox or pool
+worker importing the package keeps glibc's defaults).
 
 ``CURSOR_RL_HOST_MALLOC`` chooses: ``auto`` (default: when JAX will compute on the CPU,
 i.e. ``JAX_PLATFORMS`` names ``cpu`` first, or is unset and no TPU or GPU plugin is

@@ -12,7 +12,10 @@ import time
 import jax
 import ml_collections
 
-from cursor_rl import bases, config_lib
+from cursor_rl import bases, stages
+from cursor_rl.eval import report
+from cursor_rl.rl import loop as rl_loop
+from cursor_rl.tasks import builtin_sft, records
 from cursor_rl.train import loop as train_loop
 
 
@@ -60,12 +63,8 @@ def prepare_sft_data(config: ml_collections.ConfigDict, workdir: str) -> ml_coll
         return config
     path = os.path.join(workdir, "sft_data", "demos.jsonl")
     if jax.process_index() == 0 and not os.path.exists(path):
-        from cursor_rl.data import builtin_sft
-        from cursor_rl.rl.loop import task_datasets
-        from cursor_rl.tasks import records
-
         start = time.time()
-        train_dir, _ = task_datasets(config_lib.stage_config(config, "rl"), workdir)
+        train_dir, _ = rl_loop.task_datasets(stages.stage_config(config, "rl"), workdir)
         tasks = records.load_tasks(os.path.join(train_dir, records.TASKS_FILE))[:n]
         demos = list(
             builtin_sft.demonstrations(
@@ -99,13 +98,13 @@ def prepare_sft_data(config: ml_collections.ConfigDict, workdir: str) -> ml_coll
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> list[StageRow]:
     """Runs ``config.stage`` and writes the report; returns the summary rows."""
-    if config.stage not in config_lib.PIPELINE_STAGES:
-        raise ValueError(f"stage={config.stage!r} is not one of {config_lib.PIPELINE_STAGES}")
+    if config.stage not in stages.PIPELINE_STAGES:
+        raise ValueError(f"stage={config.stage!r} is not one of {stages.PIPELINE_STAGES}")
     base = bases.resolve(config.get("init_from", ""))
-    if base is not None and config.stage in ("all", config_lib.STAGES[0]):
+    if base is not None and config.stage in ("all", stages.STAGES[0]):
         bases.verify(base)  # a damaged base is refused before any stage starts
     rows: list[StageRow] = []
-    train_stages = [s for s in config_lib.TRAIN_STAGES if config.stage in ("all", s)]
+    train_stages = [s for s in stages.TRAIN_STAGES if config.stage in ("all", s)]
     if train_stages:
         train_loop.write_config(config, workdir)
     for stage in train_stages:
@@ -113,12 +112,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> list[StageRow]:
             config = prepare_sft_data(config, workdir)
         rows.append(_train_row(train_loop.run_stage(config, stage, workdir)))
     if config.stage in ("all", "rl"):
-        from cursor_rl.rl import loop as rl_loop
-
         rows.append(_rl_row(rl_loop.run_rl(config, workdir)))
     if jax.process_index() == 0:
-        from cursor_rl.eval import report
-
         report.write_report(workdir)
     return rows
 

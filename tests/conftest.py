@@ -9,10 +9,13 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # Keep XLA's warnings about tiny test shardings out of the test log.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-# Before numpy or XLA start threads: cursor_rl's import sets glibc malloc up so XLA
-# reuses its scratch memory instead of page-faulting it every call (host_malloc).
-import cursor_rl  # noqa: F401, I001
-import pytest
+# Before numpy or XLA start threads: glibc malloc set up so XLA reuses its scratch
+# memory instead of page-faulting it every call (cursor_rl/host_malloc.py).
+from cursor_rl import host_malloc
+
+host_malloc.configure()
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

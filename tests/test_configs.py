@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from cursor_rl import config_lib
+from cursor_rl import config_lib, stages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
@@ -31,9 +31,9 @@ def test_config_parses_and_every_stage_is_valid(path):
         source = fh.read()
     assert source.lstrip().startswith('"""'), "configs start with a docstring"
     assert "Command" in source and "Hardware" in source, "docstring gives command and hardware"
-    for stage in config_lib.STAGES:  # the RL stage's model too
-        stage_cfg = config_lib.stage_config(config, stage)
-        model = config_lib.model_config(stage_cfg)
+    for stage in stages.STAGES:  # the RL stage's model too
+        stage_cfg = stages.stage_config(config, stage)
+        model = stages.model_config(stage_cfg)
         assert model.validate() is model
 
 
@@ -45,7 +45,7 @@ def test_tiny_stage_arg_selects_stage():
 
 
 def test_kimi_k2_has_the_published_shapes():
-    config = config_lib.model_config(_load(os.path.join(ROOT, "configs", "kimi_k2.py")))
+    config = stages.model_config(_load(os.path.join(ROOT, "configs", "kimi_k2.py")))
     counts = config.param_counts()
     assert 1.0e12 < counts["total"] < 1.1e12, counts
     assert 30e9 < counts["active"] < 34e9, counts
@@ -56,23 +56,23 @@ def test_stage_overrides_reject_unknown_fields():
     config = config_lib.base_config()
     config.stage_overrides.sft.train = {"num_stepz": 3}
     with pytest.raises(ValueError, match="num_stepz"):
-        config_lib.stage_config(config, "sft")
+        stages.stage_config(config, "sft")
 
 
 def test_long_context_stage_raises_yarn_factor():
     config = _load(os.path.join(ROOT, "configs", "tiny.py"))
-    pre = config_lib.model_config(config_lib.stage_config(config, "pretrain"))
-    lc_cfg = config_lib.stage_config(config, "long_context")
-    lc = config_lib.model_config(lc_cfg)
+    pre = stages.model_config(stages.stage_config(config, "pretrain"))
+    lc_cfg = stages.stage_config(config, "long_context")
+    lc = stages.model_config(lc_cfg)
     assert pre.rope_scaling is None and lc.rope_scaling.factor > 1
     assert lc_cfg.train.seq_len > config.train.seq_len
     # SFT and RL continue the long-context weights: they keep its positional encoding
     # (dropping it would move every position the long-context stage trained on).
     for later in ("sft", "rl"):
-        model = config_lib.model_config(config_lib.stage_config(config, later))
+        model = stages.model_config(stages.stage_config(config, later))
         assert model.rope_scaling == lc.rope_scaling, later
     # ...while their own sections stay their own.
-    assert config_lib.stage_config(config, "sft").optimizer.learning_rate != (
+    assert stages.stage_config(config, "sft").optimizer.learning_rate != (
         lc_cfg.optimizer.learning_rate
     )
 
@@ -85,11 +85,11 @@ def test_command_line_overrides_win_over_stage_overrides():
     assert config.stage_overrides.sft.train.num_steps != 7
     config.train.num_steps = 7  # what the flag parser did with the command line
     config.stage_overrides.long_context.train.seq_len = 512
-    config_lib.apply_command_line(
+    stages.apply_command_line(
         config,
         {"train.num_steps": 7, "stage_overrides.long_context.train.seq_len": 512},
     )
-    for stage in config_lib.TRAIN_STAGES:
-        assert config_lib.stage_config(config, stage).train.num_steps == 7, stage
-    assert config_lib.stage_config(config, "long_context").train.seq_len == 512
-    assert config_lib.stage_config(config, "sft").train.seq_len == 1024  # its own, untouched
+    for stage in stages.TRAIN_STAGES:
+        assert stages.stage_config(config, stage).train.num_steps == 7, stage
+    assert stages.stage_config(config, "long_context").train.seq_len == 512
+    assert stages.stage_config(config, "sft").train.seq_len == 1024  # its own, untouched

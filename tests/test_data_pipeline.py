@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
+from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.data import packing, pipeline
-from cursor_rl.data.tokenizer import Tokenizer
 
 SEQ_LEN = 32
 

@@ -15,8 +15,8 @@ if os.environ.get("CURSOR_RL_REQUIRE_SEQIO") == "1":
 else:
     seqio = pytest.importorskip("seqio")
 
+from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.data import packing, pipeline, seqio_bridge
-from cursor_rl.data.tokenizer import Tokenizer
 
 SEQ_LEN = 32
 

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
+from cursor_rl.chat import protocol
+from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.data import pipeline, sft
-from cursor_rl.data.tokenizer import Tokenizer
-from cursor_rl.env import protocol
 
 SEQ_LEN = 96
 
@@ -62,7 +62,7 @@ def _reference_render(tok, messages):
 def test_rendering_matches_the_agreed_format(tok):
     record = _conversation(3)
     messages = sft.conversation_from_record(record, "here")
-    example = sft.RenderConversation(tok)({"messages": messages})
+    example = pipeline.RenderConversation(tok)({"messages": messages})
     ids, mask = _reference_render(tok, record["messages"])
     np.testing.assert_array_equal(example["tokens"], ids[:-1])
     np.testing.assert_array_equal(example["targets"], ids[1:])
@@ -163,7 +163,7 @@ def test_eval_conversations_are_held_out(tok, conversations_file):
 def test_long_conversations_truncate_or_split(tok, tmp_path):
     path = tmp_path / "long.jsonl"
     path.write_text("".join(json.dumps(_conversation(i, long=True)) + "\n" for i in range(6)))
-    rendered = sft.RenderConversation(tok)(
+    rendered = pipeline.RenderConversation(tok)(
         {"messages": sft.conversation_from_record(_conversation(0, long=True), "x")}
     )
     assert rendered["tokens"].shape[0] > 2 * SEQ_LEN

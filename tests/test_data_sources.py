@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from cursor_rl.data import pipeline, prepare, sources
-from cursor_rl.data.tokenizer import Tokenizer
+from cursor_rl.chat.tokenizer import Tokenizer
+from cursor_rl.data import pipeline, prepare, sources, splits, tiny_modules
 
 RESERVED = ("json", "textwrap", "email.utils")
 
@@ -62,8 +62,7 @@ def test_stdlib_source_excludes_the_benchmark_and_site_packages(stdlib):
     assert set(doc) == {"text", "source", "id"} and doc["source"] == "stdlib"
 
 
-def test_default_exclusions_come_from_the_task_factory():
-    splits = pytest.importorskip("cursor_rl.tasks.splits")
+def test_default_exclusions_are_the_benchmark_split():
     assert sources.default_excluded_modules() == tuple(splits.BENCH_MODULES)
     source = sources.StdlibSource()
     assert source.exclude_modules == tuple(splits.BENCH_MODULES)
@@ -124,20 +123,18 @@ def test_jsonl_source_reads_lazily_and_names_bad_lines(tmp_path):
 
 
 def test_tiny_source_is_train_split_modules_with_their_tests():
-    from cursor_rl.tasks import splits, tiny
-
     source = sources.open_source("tiny:5")
     assert len(source) == 5 and len(sources.open_source("tiny")) == sources.TINY_DEFAULT_REPOS
     seeds = list(splits.tiny_seeds("train")[:5])
     for index, seed in enumerate(seeds):
         doc = source[index]
-        repo = tiny.tiny_repo(seed)
-        (module,) = repo.target_files
+        module = tiny_modules.tiny_module(seed)
         # The module first, then its tests, each under its file name: tests call the
         # functions defined above (what teaches a small model to copy names).
-        assert doc["text"].index(f"# {module}\n") < doc["text"].index(f"# test_{module}\n")
-        assert repo.tree[module] in doc["text"] and repo.tree[f"test_{module}"] in doc["text"]
-        assert doc["id"] == repo.name
+        text = doc["text"]
+        assert text.index(f"# {module.code_file}\n") < text.index(f"# {module.test_file}\n")
+        assert module.source in text and module.tests in text
+        assert doc["id"] == module.id == f"tiny-{seed:07d}"
     # No benchmark module can be a document: the seed ranges are disjoint.
     assert not any(seed in splits.tiny_seeds("bench") for seed in seeds)
     for bad in ("tiny:x", "tiny:0"):

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from cursor_rl.chat.protocol import ToolCall
 from cursor_rl.env import testing
 from cursor_rl.env.pool import ToolPool
-from cursor_rl.env.protocol import ToolCall
 from cursor_rl.env.tools import ToolConfig
 
 

@@ -11,10 +11,10 @@ import shutil
 
 import pytest
 
+from cursor_rl.chat.protocol import ChatFormat, Message, ToolCall
 from cursor_rl.env import fs, sandbox, testing
 from cursor_rl.env.grader import grade
 from cursor_rl.env.harness import AgentEpisode
-from cursor_rl.env.protocol import ChatFormat, Message, ToolCall
 from cursor_rl.env.sandbox import Limits, Sandbox
 from cursor_rl.env.tools import TOOL_SPECS, Tools
 

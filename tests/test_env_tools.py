@@ -4,8 +4,8 @@ import os
 
 import pytest
 
+from cursor_rl.chat.protocol import ToolCall, ToolCallError
 from cursor_rl.env import sandbox, testing
-from cursor_rl.env.protocol import ToolCall, ToolCallError
 from cursor_rl.env.sandbox import Sandbox
 from cursor_rl.env.tools import ToolConfig, Tools, truncate
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cursor_rl import checkpoints, model
-from cursor_rl.data.tokenizer import SPECIAL_TOKENS
+from cursor_rl.chat.tokenizer import SPECIAL_TOKENS
 from cursor_rl.eval import probes
 from tests.train_helpers import MICRO_MODEL
 

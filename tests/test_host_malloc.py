@@ -42,8 +42,8 @@ def test_a_bad_value_names_the_variable():
 _PROBE = textwrap.dedent(
     """
     import json, resource
-    import cursor_rl
     from cursor_rl import host_malloc
+    host_malloc.configure()  # before jax and numpy start threads
     import jax, jax.numpy as jnp
 
     x = jnp.ones((4096, 256), jnp.float32)
@@ -63,15 +63,20 @@ _PROBE = textwrap.dedent(
 )
 
 
-def _probe(mode):
+def _run(argv, mode, **kwargs):
+    """Runs ``python ARGV`` in a fresh process with CURSOR_RL_HOST_MALLOC=mode."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     env[host_malloc.ENV] = mode
     env.pop("XLA_FLAGS", None)  # one device is enough
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=300, **kwargs
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return out
+
+
+def _probe(mode):
+    return json.loads(_run(["-c", _PROBE], mode).stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's")
@@ -84,3 +89,77 @@ def test_settings_stop_xla_refaulting_its_temporaries_every_call():
     assert off["temp"] >= 64 * 2**20, off
     assert off["faults"] >= pages / 2, (off, pages)  # the behaviour being worked around
     assert on["faults"] <= off["faults"] / 10, (on, off)
+
+
+# Starts a thread that allocates, then has glibc list its arenas (malloc_stats, on
+# stderr): with glibc's defaults the thread gets an arena of its own, under
+# M_ARENA_MAX=1 (host_malloc's settings) it shares the main one. Prints whether
+# configure() ran and whether numpy had been imported by then.
+_ARENAS = textwrap.dedent(
+    """
+    def report_arenas():
+        import ctypes, json, sys, threading
+        from cursor_rl import host_malloc
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+        libc.free.argtypes = (ctypes.c_void_p,)
+        thread = threading.Thread(target=lambda: libc.free(libc.malloc(64)))
+        thread.start()
+        thread.join()
+        libc.malloc_stats()
+        state = {"applied": host_malloc.applied, "numpy": "numpy" in sys.modules}
+        print(json.dumps(state), flush=True)
+    """
+)
+
+
+def _arenas(out):
+    """The arena count malloc_stats printed and the probe's JSON line."""
+    arenas = sum(line.startswith("Arena ") for line in out.stderr.splitlines())
+    return arenas, json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's")
+def test_importing_cursor_rl_leaves_malloc_alone():
+    """Even with the settings wanted (``on``), ``import cursor_rl`` applies none: a new
+    thread still gets an arena of its own. configure() itself does change that."""
+    imported = _run(["-c", "import cursor_rl\n" + _ARENAS + "report_arenas()"], "on")
+    arenas, state = _arenas(imported)
+    assert not state["applied"] and arenas >= 2, (arenas, state)
+    configured = "from cursor_rl import host_malloc\nhost_malloc.configure()\n"
+    arenas, state = _arenas(_run(["-c", configured + _ARENAS + "report_arenas()"], "on"))
+    assert state["applied"] and arenas == 1, (arenas, state)
+
+
+# ``python -m cursor_rl.main ARGS`` as runpy runs it, with an audit hook that prints, in
+# order, the first import of numpy and of jax and the lookup of glibc's mallopt.
+_ENTRY = textwrap.dedent(
+    """
+    import runpy, sys
+    seen = set()
+    def hook(event, args):
+        name = args[0] if event == "import" else args[1] if event == "ctypes.dlsym" else None
+        if name in ("numpy", "jax", "mallopt") and name not in seen:
+            seen.add(name)
+            sys.stdout.write(f"first {name}\\n")
+    sys.addaudithook(hook)
+    sys.argv = ["cursor_rl.main", *sys.argv[1:]]
+    runpy.run_module("cursor_rl.main", run_name="__main__", alter_sys=True)
+    """
+)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's")
+def test_the_entry_point_configures_before_numpy_and_jax(tmp_path):
+    """``python -m cursor_rl.main`` applies the settings before importing numpy or jax;
+    when the config file is loaded (the pipeline imported), a new thread shares the
+    main arena, as every thread started since has."""
+    config = tmp_path / "probe_config.py"
+    get_config = "def get_config():\n    report_arenas()\n    raise SystemExit(0)\n"
+    config.write_text(_ARENAS + get_config)
+    argv = ["-c", _ENTRY, f"--config={config}", f"--workdir={tmp_path / 'run'}"]
+    out = _run(argv, "on", cwd=ROOT)
+    firsts = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("first ")]
+    assert firsts[0] == "mallopt" and {"numpy", "jax"} <= set(firsts), firsts
+    arenas, state = _arenas(out)
+    assert state == {"applied": True, "numpy": True} and arenas == 1, (arenas, state)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from cursor_rl import config_lib
+from cursor_rl import stages
 from launch import presubmit, sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,10 +32,10 @@ def test_every_sweep_point_names_fields_of_its_config(path):
     config = _load_config(path)
     for point in sweep.load_sweep(path):
         sweep.check_overrides(config, point)
-        for stage in config_lib.STAGES:  # and each stage of the overridden config is valid
-            overridden = config_lib.stage_config(config, stage)
+        for stage in stages.STAGES:  # and each stage of the overridden config is valid
+            overridden = stages.stage_config(config, stage)
             overridden.update_from_flattened_dict(point)
-            config_lib.model_config(overridden).validate()
+            stages.model_config(overridden).validate()
 
 
 def test_tiny_sweep_gives_each_work_unit_its_overrides_and_workdir():

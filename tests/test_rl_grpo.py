@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cursor_rl import config_lib, model
+from cursor_rl.chat import episodes
 from cursor_rl.rl import grpo, rewards
 from cursor_rl.train import optimizer, step
 from tests.train_helpers import MICRO_MODEL
@@ -181,7 +182,7 @@ def test_positive_advantage_raises_the_episode_likelihood():
 
 
 def _outcome(resolved, tokens, calls=2):
-    return rewards.EpisodeOutcome(resolved=resolved, generated_tokens=tokens, tool_calls=calls)
+    return episodes.EpisodeOutcome(resolved=resolved, generated_tokens=tokens, tool_calls=calls)
 
 
 def test_easy_task_prefers_the_shorter_correct_episode():
@@ -206,9 +207,9 @@ def test_penalty_is_convex_in_effort():
 
 
 def test_partial_credit_and_registry():
-    outcome = rewards.EpisodeOutcome(resolved=False, fail_to_pass_passed=1, fail_to_pass_total=4)
-    assert rewards.task_reward(outcome, partial_credit=True) == 0.25
-    assert rewards.task_reward(outcome, partial_credit=False) == 0.0
+    outcome = episodes.EpisodeOutcome(resolved=False, fail_to_pass_passed=1, fail_to_pass_total=4)
+    assert episodes.task_reward(outcome, partial_credit=True) == 0.25
+    assert episodes.task_reward(outcome, partial_credit=False) == 0.0
     assert {"composer", "task"} <= set(rewards.REWARDS)
     assert rewards.group_rewards([_outcome(True, 4000)], rewards.RewardConfig(name="task")) == [1.0]
     with pytest.raises(ValueError, match=r"rl\.reward\.name"):

@@ -15,11 +15,11 @@ import pytest
 from rl_micro_config import MODEL
 
 from cursor_rl import checkpoints, model
-from cursor_rl.data.tokenizer import Tokenizer
-from cursor_rl.env import protocol
+from cursor_rl.chat import protocol
+from cursor_rl.chat.episodes import Episode
+from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.rl import grpo, rewards
 from cursor_rl.rl.loop import RolloutStore, score_groups
-from cursor_rl.rl.rollout import Episode
 from cursor_rl.rl.trainer import build_batch
 from cursor_rl.sampler import Sampler, SamplingParams
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cursor_rl import checkpoints, model, partitioning
-from cursor_rl.data.tokenizer import Tokenizer
+from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.sampler import Sampler, SamplingParams, chat
 from tests.test_sampler import CONFIG, SAMPLER_OPTIONS, SHARDED_OPTIONS, random_variables
 

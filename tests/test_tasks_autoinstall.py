@@ -167,7 +167,7 @@ def test_broken_repository_is_a_recorded_failure(tmp_path):
 
 def scripted_agent(chat, turns):
     """A policy that plays fixed tool calls, one per assistant turn, then stops."""
-    from cursor_rl.env.protocol import Message
+    from cursor_rl.chat.protocol import Message
 
     queue = list(turns)
 
@@ -181,7 +181,7 @@ def scripted_agent(chat, turns):
 
 def oracle_turns(repo, recipe_overrides=None):
     """The heuristic plan, replayed as harness tool calls (the agent mode's oracle)."""
-    from cursor_rl.env.protocol import ToolCall
+    from cursor_rl.chat.protocol import ToolCall
 
     plan = buildfiles.discover(repo)
     installer = autoinstall._Installer(repo, "/nonexistent", autoinstall.AutoinstallConfig())
@@ -210,8 +210,8 @@ def oracle_turns(repo, recipe_overrides=None):
 @needs_sandbox
 @pytest.mark.slow
 def test_agent_mode_is_checked_and_falls_back_to_heuristics(tmp_path):
+    from cursor_rl.chat.protocol import ChatFormat
     from cursor_rl.env import testing
-    from cursor_rl.env.protocol import ChatFormat
 
     chat = ChatFormat(testing.tiny_tokenizer())
     repo = write_repo(tmp_path / "repo", SETUP_PY_UNITTEST)

@@ -9,8 +9,9 @@ import threading
 
 import pytest
 
+from cursor_rl.data import splits, tiny_modules
 from cursor_rl.env import grader, sandbox
-from cursor_rl.tasks import build, contamination, grading, records, splits, tiny
+from cursor_rl.tasks import build, contamination, grading, records, tiny
 
 needs_sandbox = pytest.mark.skipif(
     sandbox.unavailable_reason() is not None, reason=f"{sandbox.unavailable_reason()}"
@@ -21,7 +22,7 @@ def test_generation_is_seeded_and_varied():
     assert tiny.tiny_repo(7).tree == tiny.tiny_repo(7).tree
     sources = {next(iter(tiny.tiny_repo(s).tree.values())) for s in range(300)}
     assert len(sources) == 300
-    assert len(tiny.TEMPLATES) >= 25
+    assert len(tiny_modules.TEMPLATES) >= 25
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 1_000_003])

@@ -1,13 +1,16 @@
 """Validation: the selection logic (scripted outcomes) and real runs in the harness sandbox."""
 
+import dataclasses
+import json
 import os
 import shutil
+import sys
 
 import pytest
 from test_tasks_generators import by_description, shapes_repo
 
 from cursor_rl.env import grader, sandbox
-from cursor_rl.tasks import build, generators, grading, sources, validation
+from cursor_rl.tasks import build, generators, grading, records, sources, tiny, validation
 from cursor_rl.tasks.generators.base import Candidate
 
 needs_sandbox = pytest.mark.skipif(
@@ -220,3 +223,90 @@ def test_recorded_interpreter_is_mapped_to_this_machine():
     with pytest.raises(environments.TaskEnvironmentError, match="does not exist here"):
         environments.resolve({**moved, "python_version": "2.7.18"})
     assert environments.resolve({})["python"] == local["python"]
+
+
+class _Finalized:
+    """Garbage whose finalizer runs Python code. Freed by the cycle collector, which runs
+    at allocation-heavy moments such as a parse, it lets the interpreter switch threads
+    there (in a real build, subprocess objects' finalizers do the same)."""
+
+    def __init__(self):
+        self.cycle = self
+
+    def __del__(self):
+        sum(range(300))
+
+
+class _RejectAll:
+    """A validator that rejects every candidate without running tests: the build's
+    threads then do nothing but generate candidates (which parses Python)."""
+
+    def __init__(self, repo, config=None):
+        self.environment, self.baseline_seconds = {}, 0.0
+
+    def baseline(self):
+        return None
+
+    def validate(self, candidate):
+        return validation.Rejection("no_fail_to_pass")
+
+
+def _build_rejecting_all(out, workers):
+    config = build.BuildConfig(source="tiny", out=str(out), workers=workers)
+    build.build(config, log=lambda line: None)
+    with open(os.path.join(out, build.REJECTIONS_FILE)) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_parallel_generation_survives_thread_switches_inside_parses(tmp_path, monkeypatch):
+    """CPython 3.11 cannot build ``ast`` trees on two threads at once (``build._AST_LOCK``).
+    Here finalizers run inside the generators' parses and threads switch every 10 us, so
+    without the lock several of these repositories crash ("AST constructor recursion depth
+    mismatch"); with it, four threads generate exactly what one does."""
+    original = generators.get
+
+    def get(name):
+        spec = original(name)
+
+        def generate(repo):
+            for _ in range(100):
+                _Finalized()
+            return spec.fn(repo)
+
+        return dataclasses.replace(spec, fn=generate)
+
+    monkeypatch.setattr(generators, "get", get)
+    monkeypatch.setattr(validation, "RepoValidator", _RejectAll)
+    repos = [tiny.tiny_repo(seed) for seed in range(24)]
+    monkeypatch.setattr(build, "iter_repos", lambda config, failures: iter(repos))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        parallel = _build_rejecting_all(tmp_path / "parallel", workers=4)
+    finally:
+        sys.setswitchinterval(interval)
+    crashed = [r["detail"] for r in parallel if r["reason"] == "crashed"]
+    assert not crashed, f"{len(crashed)} repositories crashed; the first: {crashed[0]}"
+    serial = _build_rejecting_all(tmp_path / "serial", workers=1)
+    key = lambda r: (r["repo"], r["generator"], r["candidate"])
+    assert sorted(map(key, parallel)) == sorted(map(key, serial))
+    assert {r["repo"] for r in serial} == {repo.name for repo in repos}
+
+
+@needs_sandbox
+@pytest.mark.slow
+def test_parallel_build_validates_several_tasks_in_the_sandbox(tmp_path):
+    """Two threads validating repositories at once: every repository is built (none
+    crashed) and the tasks are validated and distinct."""
+    config = build.BuildConfig(
+        source="tiny", out=str(tmp_path), split="train", count=6, max_per_repo=2, workers=2,
+        generators=("remove_function_body", "off_by_one"),
+    )  # fmt: skip
+    stats = build.build(config, log=lambda line: None)
+    tasks = records.load_tasks(str(tmp_path))
+    assert len(tasks) == stats["tasks"] == 6
+    assert len({t.task_id for t in tasks}) == 6
+    assert len({t.provenance.repo for t in tasks}) >= 3  # several repositories: threads overlap
+    assert "crashed" not in stats["rejections"]
+    for task in tasks:
+        assert task.fail_to_pass and task.pass_to_pass, task.task_id

@@ -22,7 +22,8 @@ Stages (each a grain transformation, so ``get_state``/``set_state`` is exact):
    before anything is read), filtered by split and by the benchmark guard;
 2. a global shuffle, reshuffled every epoch, repeating forever (the trainer counts
    steps; eval takes a fixed number of batches from a fresh iterator);
-3. tokenize (threads via ``read_threads``): ``<|bos|>`` + text + ``<|eos|>``;
+3. tokenize (threads via ``read_threads``): ``<|bos|>`` + text + ``<|eos|>``; an SFT
+   conversation is rendered by the chat format (``RenderConversation``);
 4. split examples longer than ``seq_len`` into chunks (SFT: ``sft_max_chunks``);
 5. window-shuffle chunks (``shuffle_window``), so one long file does not fill whole
    batches by itself;
@@ -47,8 +48,9 @@ from typing import Any
 
 import grain
 
-from cursor_rl.data import packing, sources, synthetic
-from cursor_rl.data.tokenizer import SPECIAL_TOKENS, Tokenizer
+from cursor_rl.chat import protocol
+from cursor_rl.chat.tokenizer import SPECIAL_TOKENS, Tokenizer
+from cursor_rl.data import packing, sft, sources, synthetic
 
 SPLITS = ("train", "eval")
 
@@ -64,7 +66,7 @@ class DataConfig:
         once per epoch (natural proportions).
       text_field: the JSON field holding text in JSONL/ArrayRecord sources.
       exclude_modules: stdlib modules reserved for evaluation; None means
-        ``cursor_rl.tasks.splits.BENCH_MODULES``; ``()`` excludes nothing.
+        ``cursor_rl.data.splits.BENCH_MODULES``; ``()`` excludes nothing.
       eval_fraction: share of documents held out for eval loss (by content hash).
       packing: ``first_fit`` or ``best_fit``.
       packing_bins: rows packed together (0: four times the per-process batch).
@@ -167,6 +169,17 @@ class _KeepDocument:
     def __call__(self, document: sources.Document) -> bool:
         text = document["text"]
         return split_of(text, self.eval_fraction) == self.split and not self.guard.is_reserved(text)
+
+
+class RenderConversation:
+    """grain map: a conversation to an SFT example (loss on assistant tokens only)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.chat = protocol.ChatFormat(tokenizer)
+
+    def __call__(self, conversation: Mapping[str, Any]) -> packing.Example | None:
+        trajectory = self.chat.render(conversation["messages"])
+        return packing.example_from_ids(trajectory.tokens, trajectory.loss_mask)
 
 
 class _TokenizeDocument:
@@ -349,7 +362,8 @@ def make_pretrain_dataset(
     """
     local = per_process_batch_size(global_batch_size, process_index, process_count)
     if config.seqio_mixture:
-        # Imported only here: the bridge needs TensorFlow (the optional seqio extra).
+        # Imported only here: the bridge needs TensorFlow (the optional seqio extra;
+        # tools/import_graph.py lists this import in DEFERRED).
         from cursor_rl.data import seqio_bridge
 
         return seqio_bridge.make_seqio_dataset(
@@ -418,10 +432,6 @@ def make_sft_dataset(
     Returns:
       An infinite IterDataset of batch dicts (``packing.BATCH_KEYS``).
     """
-    # Imported here: SFT renders with the harness's protocol (cursor_rl.env), which
-    # pretraining does not need.
-    from cursor_rl.data import sft
-
     _check_split(split)
     local = per_process_batch_size(global_batch_size, process_index, process_count)
     conversations = sft.open_conversations(config.sft_sources)
@@ -429,7 +439,7 @@ def make_sft_dataset(
     convs = grain.MapDataset.source(conversations)[process_index::process_count].filter(keep)
     convs = convs.shuffle(seed=seed % 2**32)
     _first_kept(convs, f"SFT sources {list(config.sft_sources)}, {split} split")
-    render = sft.RenderConversation(tokenizer)
+    render = RenderConversation(tokenizer)
     max_chunks = config.sft_max_chunks or None
     _check_sft_fits(convs, render, seq_len, max_chunks)
     examples = (

@@ -28,8 +28,8 @@ from typing import Any
 
 from absl import app, flags
 
+from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.data import pipeline, sources
-from cursor_rl.data.tokenizer import Tokenizer
 
 STATS_FILE = "stats.json"
 

@@ -42,8 +42,8 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
+from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.data import packing, pipeline
-from cursor_rl.data.tokenizer import Tokenizer
 
 FEATURE = "targets"
 

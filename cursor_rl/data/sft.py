@@ -1,4 +1,4 @@
-"""SFT conversations: the JSONL record format, its validation, and rendering to tokens.
+"""SFT conversations: the JSONL record format, its validation, reading and writing.
 
 One conversation per JSONL line::
 
@@ -12,14 +12,18 @@ One conversation per JSONL line::
        {"role": "assistant", "content": "Done.", "summary": null, "trainable": true}
      ]}
 
-Rendering is ``cursor_rl.env.protocol.ChatFormat.render`` — the very renderer the RL
+Rendering (``cursor_rl.data.pipeline.RenderConversation``, the SFT pipeline's map
+step) is ``cursor_rl.chat.protocol.ChatFormat.render`` — the very renderer the RL
 harness uses — so SFT teaches exactly the token sequences the policy will see and
 emit. Its loss mask is 1 on the assistant's own tokens (body, tool calls and the
 closing ``<|end|>``) and 0 on ``<|bos|>``, role headers and system/user/tool text;
-``packing.example_from_ids`` shifts it onto the targets.
+``cursor_rl.data.packing.example_from_ids`` shifts it onto the targets.
 
 ``builtin`` names the built-in set of agent trajectories shipped with the package
-(``builtin_sft.jsonl``, written by ``python -m cursor_rl.data.builtin_sft``).
+(``sft.jsonl`` beside this module, written by ``python -m cursor_rl.tasks.builtin_sft``:
+the scripted solver runs tasks of the task factory, a floor above).
+
+Pure Python, no JAX: the task factory's solver writes its demonstrations with it.
 """
 
 from __future__ import annotations
@@ -29,12 +33,11 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cursor_rl.data import packing, sources
-from cursor_rl.data.tokenizer import Tokenizer
-from cursor_rl.env import protocol
+from cursor_rl.chat import protocol
+from cursor_rl.data import sources
 
 BUILTIN = "builtin"
-BUILTIN_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin_sft.jsonl")
+BUILTIN_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sft.jsonl")
 
 _MESSAGE_FIELDS = {"role", "content", "tool_calls", "summary", "trainable"}
 
@@ -155,17 +158,6 @@ def open_conversations(specs: Sequence[str]) -> ConversationSource:
     if source.validate() == 0:
         raise ValueError(f"SFT sources {list(specs)} hold no conversation")
     return source
-
-
-class RenderConversation:
-    """grain map: a conversation to an SFT example (loss on assistant tokens only)."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self.chat = protocol.ChatFormat(tokenizer)
-
-    def __call__(self, conversation: Mapping[str, Any]) -> packing.Example | None:
-        trajectory = self.chat.render(conversation["messages"])
-        return packing.example_from_ids(trajectory.tokens, trajectory.loss_mask)
 
 
 def write_conversations(

@@ -13,14 +13,14 @@ list them::
     jsonl:GLOB[,GLOB...]        one JSON object per line, text in ``text_field``
     array_record:GLOB[,...]     records written by ``prepare`` (JSON objects)
     tiny[:N]                    N generated tiny-family modules of the train split
-                                (``cursor_rl.tasks.tiny``; 4096 by default)
+                                (``cursor_rl.data.tiny_modules``; 4096 by default)
     copy[:N]                    N generated copy drills: a random line of the stdlib's
                                 identifiers, then the same line again (4096 by default)
 
 Design choices:
 
 1. **The benchmark never reaches pretraining.** The stdlib modules reserved for
-   evaluation (``cursor_rl.tasks.splits.BENCH_MODULES`` unless configured) are
+   evaluation (``cursor_rl.data.splits.BENCH_MODULES`` unless configured) are
    removed together with everything that would leak their solution or their hidden
    tests:
 
@@ -46,7 +46,7 @@ Design choices:
 4. **Generated code of the task family, train split only** (``tiny``): each document
    is one tiny module followed by its unit tests, the code the tiny RL tasks are cut
    from. The benchmark's modules come from a disjoint seed range
-   (``cursor_rl.tasks.splits``), so no benchmark module is ever a document. At
+   (``cursor_rl.data.splits``), so no benchmark module is ever a document. At
    scale the same role is played by code of the repositories tasks come from.
 5. **Copy drills** (``copy``), an opt-in source for curriculum experiments: an
    agent must copy names from its context (a file path from the task, a function
@@ -82,6 +82,8 @@ import sysconfig
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from cursor_rl.data import splits, tiny_modules
+
 # Pure-Python halves of a module that live under another name (see choice 1b).
 _TWINS: dict[str, tuple[str, ...]] = {
     "collections": ("_collections_abc",),
@@ -105,12 +107,8 @@ _IDENTIFIER = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]{2,30}\b")
 
 
 def default_excluded_modules() -> tuple[str, ...]:
-    """The stdlib modules reserved for evaluation: ``cursor_rl.tasks.splits.BENCH_MODULES``."""
-    # Imported here, not at the top: the task factory owns the list, and only the
-    # stdlib source needs it.
-    from cursor_rl.tasks.splits import BENCH_MODULES
-
-    return tuple(BENCH_MODULES)
+    """The stdlib modules reserved for evaluation: ``cursor_rl.data.splits.BENCH_MODULES``."""
+    return tuple(splits.BENCH_MODULES)
 
 
 def stdlib_root() -> str:
@@ -253,8 +251,6 @@ class TinySource:
     """Train-split tiny-family modules, each with its tests, generated on access."""
 
     def __init__(self, count: int = TINY_DEFAULT_REPOS):
-        from cursor_rl.tasks import splits  # pure Python, like this module
-
         seeds = splits.tiny_seeds("train")
         if not 0 < count <= len(seeds):
             raise ValueError(f"tiny:{count}: the count must be in 1..{len(seeds)}")
@@ -265,12 +261,9 @@ class TinySource:
         return len(self._seeds)
 
     def __getitem__(self, index: int) -> Document:
-        from cursor_rl.tasks import tiny
-
-        repo = tiny.tiny_repo(self._seeds[index])  # a train seed by construction
-        code = [path for path in sorted(repo.tree) if path not in repo.test_files]
-        parts = [f"# {path}\n{repo.tree[path]}" for path in (*code, *repo.test_files)]
-        return {"text": "\n".join(parts), "source": "tiny", "id": repo.name}
+        module = tiny_modules.tiny_module(self._seeds[index])  # a train seed by construction
+        text = f"# {module.code_file}\n{module.source}\n# {module.test_file}\n{module.tests}"
+        return {"text": text, "source": "tiny", "id": module.id}
 
 
 @functools.cache
@@ -458,7 +451,7 @@ def open_source(
         (globs separated by commas), ``tiny[:COUNT]`` or ``copy[:COUNT]``.
       text_field: the JSON field holding the text (JSONL and ArrayRecord).
       exclude_modules: stdlib modules reserved for evaluation; None means
-        ``cursor_rl.tasks.splits.BENCH_MODULES``.
+        ``cursor_rl.data.splits.BENCH_MODULES``.
 
     Returns:
       A random-access source of documents.

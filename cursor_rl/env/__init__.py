@@ -1,11 +1,8 @@
-"""The agent harness: tools, chat/tool-call protocol, trajectories, sandbox, grading.
+"""The agent harness: tools, the episode loop, sandbox, grading.
 
-Modules (pure Python, no JAX; sandbox workers run on CPU-only machines):
+Modules (pure Python, no JAX; sandbox workers run on CPU-only machines). The chat /
+tool-call format they speak is ``cursor_rl.chat.protocol``, a floor below:
 
-  protocol    the chat / tool-call format of the whole project: ChatFormat renders
-              messages to token ids (SFT) or appends them turn by turn (rollouts),
-              parses model output into tool calls; Trajectory holds tokens, loss
-              mask, log-probs, turn and segment boundaries.
   tools       read_file, edit_file, search, list_dir, lint, run_terminal, submit.
   harness     AgentEpisode: one episode's loop of sampled turns and tool results.
   sandbox     Sandbox: namespaces, an unprivileged uid, rlimits, a workspace tmpfs,

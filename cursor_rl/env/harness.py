@@ -4,7 +4,7 @@
     while not episode.done:
         completion = sampler.generate([episode.prompt()], params)[0]
         episode.step(completion.tokens, completion.logprobs)
-    episode.trajectory   # tokens, loss mask, log-probs, turns (cursor_rl.env.protocol)
+    episode.trajectory   # tokens, loss mask, log-probs, turns (cursor_rl.chat.protocol)
 
 Design choices:
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
-from cursor_rl.env.protocol import (
+from cursor_rl.chat.protocol import (
     ChatFormat,
     Message,
     ParsedTurn,

@@ -39,7 +39,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from cursor_rl.env.protocol import ToolCall, ToolCallError
+from cursor_rl.chat.protocol import ToolCall, ToolCallError
 from cursor_rl.env.sandbox import Sandbox, clean_stale_slots
 from cursor_rl.env.tools import ToolConfig, ToolResult, Tools
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import sysconfig
 
-from cursor_rl.data.tokenizer import Tokenizer
+from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.env import sandbox
 from cursor_rl.env.grader import GradeSpec
 

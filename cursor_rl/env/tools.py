@@ -39,8 +39,8 @@ import re
 import shlex
 import stat
 
+from cursor_rl.chat.protocol import ToolCall, ToolCallError, ToolParam, ToolSpec
 from cursor_rl.env import fs
-from cursor_rl.env.protocol import ToolCall, ToolCallError, ToolParam, ToolSpec
 from cursor_rl.env.sandbox import WORKDIR, Sandbox, SandboxError, harness_tool
 
 _log = logging.getLogger(__name__)

@@ -12,5 +12,8 @@ Modules (no JAX of their own; pure Python, NumPy and matplotlib):
             (python -m cursor_rl.eval.report --workdir=DIR).
   testing   graded episodes for tests.
 
+Episodes are ``cursor_rl.chat.episodes`` records, a floor below both this package and
+``cursor_rl.rl`` (which runs evals during training and so sits above it).
+
 The benchmark's decontamination against training data is ``cursor_rl.tasks.contamination``.
 """

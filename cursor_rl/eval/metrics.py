@@ -11,7 +11,7 @@ Choices:
    ``prod_{i=n-c+1}^{n} (1 - k/i)`` (their NumPy form), never as a ratio of huge
    binomials, so it stays exact in floating point for any ``n``.
 2. **best_of_k is the same expectation for a real-valued reward**: the mean over
-   ``k``-subsets of the largest task reward (``rewards.task_reward``, so partial
+   ``k``-subsets of the largest task reward (``episodes.task_reward``, so partial
    credit counts when enabled). With the rewards sorted ascending, the ``i``-th
    smallest (1-based) is a subset's maximum in ``C(i-1, k-1)`` of the ``C(n, k)``
    subsets, so ``best_of_k = sum_i r_(i) C(i-1, k-1) / C(n, k)``: unbiased, no
@@ -40,7 +40,7 @@ Choices:
 
 Pure Python and NumPy; no JAX. Episodes are read by attribute only (``task_id``,
 ``category``, ``finish_reason``, ``outcome()``, ``generated_tokens``,
-``tool_calls``, ``segments``), so ``cursor_rl.rl.rollout.Episode`` is not imported.
+``tool_calls``, ``segments``), so ``cursor_rl.chat.episodes.Episode`` is not imported.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from cursor_rl.rl.rewards import task_reward
+from cursor_rl.chat.episodes import task_reward
 
 LOST = "lost"
 CI_LEVEL = 0.95
@@ -164,7 +164,7 @@ def summarize(
         share its ``task_id``.
       k_values: the ``k`` of pass@k and best-of-k (1 is always added); those above
         the fewest scored samples of any task are dropped (choice 5).
-      partial_credit: passed to ``rewards.task_reward`` for best-of-k.
+      partial_credit: passed to ``episodes.task_reward`` for best-of-k.
       ci_level, ci_resamples, ci_seed: the bootstrap intervals' settings
         (``bootstrap_ci``).
 

@@ -18,6 +18,7 @@ import numpy as np
 from absl import app, flags
 
 from cursor_rl import checkpoints
+from cursor_rl.sampler import weights  # the sampler's params-only restore
 from cursor_rl.train.copy_probe import (  # the probe itself; this module is its CLI
     DEFAULT_LOW,
     check_lengths,
@@ -40,8 +41,6 @@ def checkpoint_paths(workdir: str, stage: str) -> list[str]:
 
 def probe_checkpoint(path: str, **row_kwargs: Any) -> dict[str, float]:
     """Restores the parameters of checkpoint ``path`` and runs ``copy_score`` on them."""
-    from cursor_rl.sampler import weights  # the sampler's params-only restore
-
     config = checkpoints.model_config_from_metadata(checkpoints.read_metadata(path), path)
     variables, _ = weights.restore_checkpoint(path, config, None)
     return copy_score(config, variables, **row_kwargs)

@@ -40,8 +40,8 @@ from typing import Any
 
 from etils import epath
 
+from cursor_rl.chat.episodes import task_reward
 from cursor_rl.eval import metrics
-from cursor_rl.rl.rewards import task_reward
 
 RESULTS_FILE = "results.jsonl"
 

@@ -1,6 +1,6 @@
 """Test fixtures for eval code: graded episodes without a sampler, a sandbox or a grader.
 
-``graded_episode`` builds the ``cursor_rl.rl.rollout.Episode`` that
+``graded_episode`` builds the ``cursor_rl.chat.episodes.Episode`` that
 ``RolloutRunner.run`` would return after grading, with chosen outcome and lengths,
 so metrics, the benchmark runner and reports can be tested in milliseconds.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cursor_rl.env import protocol
-from cursor_rl.rl.rollout import Episode
+from cursor_rl.chat import protocol
+from cursor_rl.chat.episodes import Episode
 
 
 def graded_episode(

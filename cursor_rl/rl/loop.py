@@ -35,16 +35,20 @@ import jax
 import ml_collections
 import numpy as np
 
-from cursor_rl import checkpoints, config_lib, partitioning
-from cursor_rl.data.tokenizer import Tokenizer
-from cursor_rl.env import protocol
+from cursor_rl import checkpoints, partitioning, stages
+from cursor_rl.chat import protocol
+from cursor_rl.chat.episodes import Episode
+from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.env.pool import ToolPool
+from cursor_rl.eval import registry as eval_registry
+from cursor_rl.eval import runner as eval_runner
 from cursor_rl.rl import grpo, rewards
-from cursor_rl.rl.rollout import Episode, RolloutConfig, RolloutRunner
+from cursor_rl.rl.rollout import RolloutConfig, RolloutRunner
 from cursor_rl.rl.trainer import RLTrainer
+from cursor_rl.sampler import Sampler, weights
 from cursor_rl.tasks import records
 from cursor_rl.tasks import workdir as workdir_tasks
-from cursor_rl.train.metrics import MetricsWriter, Progress
+from cursor_rl.train.metrics import MetricsWriter, Progress, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -207,10 +211,10 @@ class _Context:
 
 
 def _context(config: ml_collections.ConfigDict, workdir: str) -> _Context:
-    cfg = config_lib.stage_config(config, "rl")
+    cfg = stages.stage_config(config, "rl")
     tokenizer_file = os.path.join(workdir, "tokenizer", "tokenizer.json")
     tokenizer = Tokenizer.load(cfg.tokenizer.path or tokenizer_file)
-    model_config = config_lib.model_config(cfg)
+    model_config = stages.model_config(cfg)
     train_dir, bench_dir = task_datasets(cfg, workdir)
     return _Context(
         cfg=cfg,
@@ -251,8 +255,6 @@ def _rollout_config(cfg) -> RolloutConfig:
 
 
 def _sampler(ctx: _Context):
-    from cursor_rl.sampler import Sampler
-
     s = ctx.cfg.rl.sampler
     mesh = partitioning.make_mesh(s.mesh.to_dict()) if s.mesh.to_dict() else None
     return Sampler(
@@ -299,8 +301,6 @@ class _SamplerSide:
         self.policy_dir = os.path.join(ctx.workdir, "rl", "policy")
 
     def load_newest(self, at_least: int = 0, timeout_s: float = 3600.0) -> int:
-        from cursor_rl.sampler import weights
-
         deadline = time.time() + timeout_s
         while True:
             latest = weights.latest_policy(self.policy_dir)
@@ -325,9 +325,6 @@ class _SamplerSide:
 
     def evaluate(self, stage: str, step: int, writer: MetricsWriter) -> dict[str, Any]:
         """Held-out eval (skipped once the benchmark is retired as saturated)."""
-        from cursor_rl.eval import registry as eval_registry
-        from cursor_rl.eval import runner as eval_runner
-
         e = self.ctx.cfg.rl.eval
         registry = eval_registry.Registry(eval_registry.registry_path(self.ctx.workdir))
         if not registry.is_active(str(e.bench_name)):
@@ -495,8 +492,6 @@ def _evaluate_before_rl(ctx: _Context, side: _SamplerSide, writer) -> dict[str, 
 
 
 def _evaluated(ctx: _Context, stage: str) -> bool:
-    from cursor_rl.train.metrics import read_metrics
-
     return any(r.get("stage") == stage and "pass@1" in r for r in read_metrics(ctx.workdir))
 
 

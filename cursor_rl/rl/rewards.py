@@ -6,9 +6,9 @@ Registered by name (``REWARDS``) so configs choose one (``rl.reward.name``).
 
     R_i = r_i - lambda * ease^q * u_i^p
 
-* ``r_i``: task reward from the grader: 1 if every hidden test passes, else 0;
-  with ``partial_credit`` the fraction of FAIL_TO_PASS tests passing (only when no
-  PASS_TO_PASS test broke).
+* ``r_i``: task reward from the grader (``cursor_rl.chat.episodes.task_reward``): 1
+  if every hidden test passes, else 0; with ``partial_credit`` the fraction of
+  FAIL_TO_PASS tests passing (only when no PASS_TO_PASS test broke).
 * ``u_i = w_tok * tokens_i / token_budget + w_call * calls_i / max_tool_calls``:
   effort, the model's generated tokens and tool calls, each normalised by its
   budget (``w_tok + w_call = 1``, so ``u`` is about 1 at the budget).
@@ -29,17 +29,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-
-@dataclasses.dataclass(frozen=True)
-class EpisodeOutcome:
-    """What the reward needs from one graded episode."""
-
-    resolved: bool  # every FAIL_TO_PASS and PASS_TO_PASS test passes
-    fail_to_pass_passed: int = 0
-    fail_to_pass_total: int = 0
-    pass_to_pass_broken: int = 0
-    generated_tokens: int = 0
-    tool_calls: int = 0
+from cursor_rl.chat.episodes import EpisodeOutcome, task_reward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +60,6 @@ class RewardConfig:
         if config.token_budget <= 0 or config.max_tool_calls <= 0:
             raise ValueError("rl.reward.token_budget and max_tool_calls must be > 0")
         return config
-
-
-def task_reward(outcome: EpisodeOutcome, partial_credit: bool) -> float:
-    if outcome.resolved:
-        return 1.0
-    if partial_credit and outcome.fail_to_pass_total and not outcome.pass_to_pass_broken:
-        return outcome.fail_to_pass_passed / outcome.fail_to_pass_total
-    return 0.0
 
 
 def effort(outcome: EpisodeOutcome, config: RewardConfig) -> float:

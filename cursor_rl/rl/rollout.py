@@ -38,8 +38,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from cursor_rl.env import grader, harness, protocol, tools
-from cursor_rl.rl.rewards import EpisodeOutcome
+from cursor_rl.chat import protocol
+from cursor_rl.chat.episodes import Episode
+from cursor_rl.env import grader, harness, tools
 from cursor_rl.sampler import SamplingParams
 from cursor_rl.tasks import grading, records
 
@@ -63,53 +64,6 @@ class RolloutConfig:
     grade_workers: int = 2
     system_prompt: str = harness.DEFAULT_SYSTEM_PROMPT
     tools_style: str = "json"  # how the system prompt lists the tools (protocol.tools_prompt)
-
-
-@dataclasses.dataclass
-class Episode:
-    """One graded episode: its trajectory and everything the reward and metrics need."""
-
-    task_id: str
-    category: str
-    task_index: int  # the task's position in the batch (its group)
-    sample: int  # index within the group
-    trajectory: protocol.Trajectory
-    finish_reason: str  # submitted | answered | turn_limit | token_budget | context | lost
-    tool_calls: int = 0
-    generated_tokens: int = 0
-    turn_versions: list[int] = dataclasses.field(default_factory=list)
-    summary_tokens: list[int] = dataclasses.field(default_factory=list)
-    grade: dict[str, Any] = dataclasses.field(default_factory=dict)
-    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    @property
-    def segments(self) -> int:
-        return len(self.trajectory.segment_starts)
-
-    @property
-    def resolved(self) -> bool:
-        return bool(self.grade.get("resolved", False))
-
-    def outcome(self) -> EpisodeOutcome:
-        return EpisodeOutcome(
-            resolved=self.resolved,
-            fail_to_pass_passed=int(self.grade.get("fail_to_pass_passed", 0)),
-            fail_to_pass_total=int(self.grade.get("fail_to_pass_total", 0)),
-            pass_to_pass_broken=int(self.grade.get("pass_to_pass_broken", 0)),
-            generated_tokens=self.generated_tokens,
-            tool_calls=self.tool_calls,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["trajectory"] = self.trajectory.to_json_dict()
-        return out
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Episode:
-        data = dict(data)
-        data["trajectory"] = protocol.Trajectory.from_json_dict(data["trajectory"])
-        return cls(**data)
 
 
 def grade_summary(result: grader.GradeResult) -> dict[str, Any]:

@@ -27,10 +27,10 @@ import jax
 import numpy as np
 
 from cursor_rl import checkpoints, partitioning
+from cursor_rl.chat.episodes import Episode
 from cursor_rl.data import packing
 from cursor_rl.model.config import ModelConfig
 from cursor_rl.rl import grpo
-from cursor_rl.rl.rollout import Episode
 from cursor_rl.train import optimizer as optim
 from cursor_rl.train import step as step_lib
 

@@ -6,7 +6,7 @@
 ``--workdir`` picks the newest checkpoint of the latest stage present (RL policy,
 then SFT, long-context, pretraining). The tokenizer comes from the checkpoint's
 metadata, else ``WORKDIR/tokenizer``. Conversations use the harness's chat format
-(``cursor_rl.env.protocol``) and live in one sampler session, so each new line
+(``cursor_rl.chat.protocol``) and live in one sampler session, so each new line
 only prefills itself. ``/reset`` starts a new conversation; end of input quits.
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Iterable
 from typing import TextIO
 
 from cursor_rl import checkpoints
-from cursor_rl.data.tokenizer import Tokenizer
-from cursor_rl.env.protocol import ChatFormat, Message, Trajectory
+from cursor_rl.chat.protocol import ChatFormat, Message, Trajectory
+from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.sampler.sampler import Sampler
 from cursor_rl.sampler.sampling import SamplingParams
 

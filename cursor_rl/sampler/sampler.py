@@ -41,7 +41,8 @@ from typing import Any
 import jax
 
 from cursor_rl import checkpoints, partitioning
-from cursor_rl.data.tokenizer import Tokenizer
+from cursor_rl.chat.tokenizer import Tokenizer
+from cursor_rl.model import hf
 from cursor_rl.model.config import ModelConfig
 from cursor_rl.sampler import weights
 from cursor_rl.sampler.engine import Engine
@@ -136,8 +137,6 @@ class Sampler:
     @classmethod
     def from_hf(cls, path: str, **kwargs) -> Sampler:
         """A sampler for a Hugging Face DeepSeek-V3 / Kimi-K2 directory (version 0)."""
-        from cursor_rl.model import hf
-
         config, variables = hf.load_hf_checkpoint(
             path, scan_layers=kwargs.get("scan_layers", False)
         )
@@ -188,8 +187,6 @@ class Sampler:
 
     def load_hf(self, path: str, version: int | None = None) -> int:
         """Loads weights from a Hugging Face directory through the model's converter."""
-        from cursor_rl.model import hf
-
         config, variables = hf.load_hf_checkpoint(path, scan_layers=self.config.scan_layers)
         weights.check_compatible(config, self.config, path)
         self.set_params(variables, version)

@@ -58,7 +58,9 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cursor_rl.env.harness import AgentEpisode
 from cursor_rl.env.sandbox import Limits, Sandbox, unavailable_reason
+from cursor_rl.env.tools import TOOL_SPECS, Tools
 from cursor_rl.tasks import buildfiles, environments
 
 FAILURE_REASONS = (
@@ -536,16 +538,13 @@ def agent_install(
       repo: the repository directory.
       workdir: as for ``autoinstall``.
       policy: the model (``Policy``), e.g. a ``Sampler.generate`` wrapper.
-      chat: the ``cursor_rl.env.protocol.ChatFormat`` of the model's tokenizer.
+      chat: the ``cursor_rl.chat.protocol.ChatFormat`` of the model's tokenizer.
       config: settings.
       max_turns: assistant turns before the episode is cut.
 
     Returns:
       The agent's result (``recipe.mode == "agent"``) or the heuristic fallback's.
     """
-    from cursor_rl.env.harness import AgentEpisode
-    from cursor_rl.env.tools import TOOL_SPECS, Tools
-
     config = config or AutoinstallConfig()
     os.makedirs(workdir, exist_ok=True)
     log: list[str] = []

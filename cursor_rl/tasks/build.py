@@ -20,7 +20,8 @@ are shuffled with ``--seed`` and validated in that order until
 covers every generator and symbol kind instead of the first hundred comparisons
 of one module, and a build's cost is bounded. ``--max_per_repo`` caps a repository's
 tasks (the tiny family uses a few per module, for variety). Repositories are
-validated in parallel (``--workers`` threads; each test run is a sandboxed process).
+validated in parallel (``--workers`` threads; each test run is a sandboxed process);
+the threads take turns generating candidates (``_AST_LOCK``).
 
 Pure Python, no JAX.
 """
@@ -42,11 +43,30 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
-from cursor_rl.tasks import autoinstall, generators, records, sources, splits, tiny, validation
+from cursor_rl.data import splits
+from cursor_rl.tasks import (
+    autoinstall,
+    contamination,
+    generators,
+    records,
+    sources,
+    tiny,
+    validation,
+)
 from cursor_rl.tasks.generators.base import SourceRepo
 
 STATS_FILE = "stats.json"
 REJECTIONS_FILE = "rejections.jsonl"
+
+# Candidate generation parses Python with ``ast``, which CPython 3.11 cannot do on two
+# threads at once: the conversion to ``ast`` objects counts its recursion depth in
+# interpreter-wide state, so when one thread's parse is interrupted (a finalizer that
+# runs Python code during its allocations is enough) and another thread parses, the
+# first fails with "SystemError: AST constructor recursion depth mismatch" (CPython
+# issue gh-106905). Generation is pure-Python work that the GIL serialises anyway, so
+# the build's threads take turns there, and when formatting a traceback (which parses
+# the failing lines); they overlap where it pays, validating in sandboxed processes.
+_AST_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +265,8 @@ def build_repo(
     random.Random(f"{config.seed}:{repo.name}").shuffle(names)
     queues = {}
     for name in names:
-        candidates = generators.get(name).fn(repo)
+        with _AST_LOCK:
+            candidates = generators.get(name).fn(repo)
         random.Random(f"{config.seed}:{repo.name}:{name}").shuffle(candidates)
         queues[name] = iter(candidates[: config.max_attempts])
     accepted: collections.Counter = collections.Counter()
@@ -356,8 +377,6 @@ def build(config: BuildConfig, *, log: Callable[[str], None] = print) -> dict[st
 
     reference = None
     if config.decontaminate_against or config.decontaminate_corpus:
-        from cursor_rl.tasks import contamination
-
         train = (
             records.load_tasks(config.decontaminate_against) if config.decontaminate_against else []
         )
@@ -373,14 +392,11 @@ def build(config: BuildConfig, *, log: Callable[[str], None] = print) -> dict[st
                 repo, config, seen=seen, lock=lock, budget=budget, reference=reference
             )
         except Exception:  # one repository must not end the build; its tasks are lost
+            with _AST_LOCK:
+                detail = traceback.format_exc()[-2000:]
             result = RepoResult(repo)
             result.rejections.append(
-                {
-                    "repo": repo.name,
-                    "generator": "",
-                    "reason": "crashed",
-                    "detail": traceback.format_exc()[-2000:],
-                }
+                {"repo": repo.name, "generator": "", "reason": "crashed", "detail": detail}
             )
         with lock:
             accepted[0] += len(result.tasks)

@@ -39,7 +39,9 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from cursor_rl.tasks import records, splits
+from cursor_rl.data import sources as data_sources
+from cursor_rl.data import splits
+from cursor_rl.tasks import records
 
 _TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+(?:\.\d+)?|[^\sA-Za-z0-9_]")
 DEFAULT_N = 8
@@ -218,8 +220,6 @@ def corpus_documents(spec: str) -> Iterator[tuple[str, str]]:
             finally:
                 reader.close()
         return
-    from cursor_rl.data import sources as data_sources
-
     source = data_sources.open_source(spec, exclude_modules=splits.BENCH_MODULES)
     for i in range(len(source)):
         document = source[i]

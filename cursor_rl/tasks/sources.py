@@ -35,7 +35,8 @@ import tarfile
 import zipfile
 from collections.abc import Iterator
 
-from cursor_rl.tasks import autoinstall, buildfiles, environments, splits
+from cursor_rl.data import splits
+from cursor_rl.tasks import autoinstall, buildfiles, environments
 from cursor_rl.tasks.generators.base import SourceRepo
 
 
@@ -86,7 +87,7 @@ def stdlib_repos(split: str, modules: tuple[str, ...] | None = None) -> Iterator
     allowed = splits.stdlib_modules(split)
     for module in modules or allowed:
         if module not in allowed:
-            raise ValueError(f"{module!r} is not a {split} module (see cursor_rl.tasks.splits)")
+            raise ValueError(f"{module!r} is not a {split} module (see cursor_rl.data.splits)")
         yield stdlib_repo(module)
 
 

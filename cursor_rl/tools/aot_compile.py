@@ -26,9 +26,10 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from cursor_rl import config_lib, partitioning
+from cursor_rl import partitioning, stages
 from cursor_rl.train import optimizer as optim
 from cursor_rl.train import step as step_lib
+from cursor_rl.train.loop import validate_stage_config
 
 GiB = 2**30
 
@@ -138,11 +139,9 @@ def compile_train_step(
     Returns:
       The memory and FLOPs report.
     """
-    stage = stage or (config.stage if config.stage in config_lib.TRAIN_STAGES else "pretrain")
-    cfg = config_lib.stage_config(config, stage)
+    stage = stage or (config.stage if config.stage in stages.TRAIN_STAGES else "pretrain")
+    cfg = stages.stage_config(config, stage)
     devices = topology_devices(topology)
-    from cursor_rl.train.loop import validate_stage_config
-
     model_config = validate_stage_config(cfg, len(devices))
     if model_config.moe_impl == "auto" and devices[0].platform != "cpu":
         # "auto" follows the *running* backend (the CPU here); the target is the TPU.

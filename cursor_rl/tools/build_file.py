@@ -12,11 +12,12 @@ test added without regenerating BUILD fails CI.
 
 from __future__ import annotations
 
-import ast
 import os
 import sys
 
 from absl import app, flags
+
+from cursor_rl.tools import import_graph
 
 _SOURCE_DIRS = ("cursor_rl", "configs", "launch", "benchmarks", "tests")
 
@@ -72,25 +73,11 @@ def _module_name(path: str) -> str:
 
 
 def _imports(path: str, source: str) -> set[str]:
-    """Absolute module names imported by ``source`` (relative imports resolved)."""
-    tree = ast.parse(source, filename=path)
-    package = _module_name(path)
-    if not path.endswith("__init__.py"):
-        package = package.rpartition(".")[0]
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                module = ".".join([*base, node.module] if node.module else base)
-            else:
-                module = node.module or ""
-            names.add(module)
-            names.update(f"{module}.{alias.name}" for alias in node.names)
-    return names
+    """Absolute module names ``source`` may import (relative imports resolved)."""
+    statements = import_graph.imports(
+        source, _module_name(path), path.endswith("__init__.py"), path
+    )
+    return {name for statement in statements for name in statement.candidates}
 
 
 def _data_files(root: str, path: str) -> list[str]:

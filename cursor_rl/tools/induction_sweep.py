@@ -29,6 +29,7 @@ safetensors, ``config.json``, the tokenizer, ``SHA256SUMS``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -42,8 +43,8 @@ import optax
 from absl import app, flags
 
 from cursor_rl import bases
+from cursor_rl.chat.tokenizer import SPECIAL_TOKENS, Tokenizer
 from cursor_rl.data import pipeline, synthetic
-from cursor_rl.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from cursor_rl.model import hf
 from cursor_rl.model import transformer as model
 from cursor_rl.train import copy_probe
@@ -82,8 +83,6 @@ def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     sys.path.insert(0, os.getcwd())
-    import dataclasses
-
     from configs import tiny  # the model and data config of the tiny recipe
 
     model_config = dataclasses.replace(tiny.MODEL, tie_word_embeddings=_TIED.value)

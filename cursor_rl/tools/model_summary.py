@@ -12,31 +12,33 @@ from __future__ import annotations
 
 import os
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
+
+from cursor_rl import model, partitioning, stages
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Emulated CPU devices for the sharded check.")
 
 
 def _emulate_devices(count: int) -> None:
-    """Must run before jax initialises its backends."""
+    """Must run before jax initialises its backends (at the first computation); jax is
+    imported by then (the config file imports it), so the platform goes through its
+    config, which read JAX_PLATFORMS at import."""
     flag = f"--xla_force_host_platform_device_count={count}"
     if flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")
 
 
 def main(argv):
     del argv
     _emulate_devices(_DEVICES.value)
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from cursor_rl import config_lib, model, partitioning
-
-    config = config_lib.model_config(config_lib.stage_config(_CONFIG.value, "pretrain"))
+    config = stages.model_config(stages.stage_config(_CONFIG.value, "pretrain"))
     counts = config.param_counts()
     print(
         f"model: {counts['total'] / 1e6:.2f}M parameters, {counts['active'] / 1e6:.2f}M active "

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cursor_rl import model
+from cursor_rl.chat.tokenizer import SPECIAL_TOKENS
 from cursor_rl.data import synthetic
-from cursor_rl.data.tokenizer import SPECIAL_TOKENS
 from cursor_rl.model.config import ModelConfig
 
 DEFAULT_LOW = len(SPECIAL_TOKENS)  # choice 3: a tokenizer trained here puts them first

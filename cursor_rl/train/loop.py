@@ -1,7 +1,7 @@
 """The stage loop: short-context pretraining, long-context extension and SFT.
 
 One trainer runs all three stages; a stage differs only by its config
-(``config_lib.stage_config``) and by where its weights come from:
+(``stages.stage_config``) and by where its weights come from:
 
 1. its own latest checkpoint (a restarted or preempted run resumes exactly: weights,
    optimizer, router bias, data-iterator position and step);
@@ -33,9 +33,9 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from cursor_rl import bases, checkpoints, config_lib, model, partitioning
+from cursor_rl import bases, checkpoints, model, partitioning, stages
+from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.data import pipeline
-from cursor_rl.data.tokenizer import Tokenizer
 from cursor_rl.model.config import ModelConfig
 from cursor_rl.train import copy_probe
 from cursor_rl.train import optimizer as optim
@@ -79,7 +79,7 @@ def validate_stage_config(cfg: ml_collections.ConfigDict, num_devices: int) -> M
                 value = value[part]
             raise ValueError(f"{field}={value!r}: {why}")
 
-    need(cfg.stage in config_lib.TRAIN_STAGES, "stage", f"one of {config_lib.TRAIN_STAGES}")
+    need(cfg.stage in stages.TRAIN_STAGES, "stage", f"one of {stages.TRAIN_STAGES}")
     need(cfg.train.num_steps > 0, "train.num_steps", "must be > 0")
     need(cfg.train.batch_size > 0, "train.batch_size", "must be > 0")
     need(cfg.train.seq_len > 1, "train.seq_len", "must be > 1")
@@ -105,7 +105,7 @@ def validate_stage_config(cfg: ml_collections.ConfigDict, num_devices: int) -> M
         "data.process_sharding",
         "documents or rows",
     )
-    model_config = config_lib.model_config(cfg)
+    model_config = stages.model_config(cfg)
     need(
         cfg.train.seq_len <= model_config.max_position_embeddings
         or model_config.rope_scaling is not None,
@@ -241,8 +241,8 @@ def checkpoint_metadata(cfg, model_config: ModelConfig, tokenizer: Tokenizer) ->
 
 
 def _previous_stage(stage: str) -> str | None:
-    index = config_lib.STAGES.index(stage)
-    return config_lib.STAGES[index - 1] if index > 0 else None
+    index = stages.STAGES.index(stage)
+    return stages.STAGES[index - 1] if index > 0 else None
 
 
 # ---- the loop -------------------------------------------------------------------
@@ -251,7 +251,7 @@ def _previous_stage(stage: str) -> str | None:
 def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> StageResult:
     """Trains one stage to ``train.num_steps`` (resuming if it has checkpoints)."""
     wall_start = time.time()
-    cfg = config_lib.stage_config(config, stage)
+    cfg = stages.stage_config(config, stage)
     model_config = validate_stage_config(cfg, jax.device_count())
     mesh = partitioning.make_mesh(cfg.mesh.ici.to_dict(), cfg.mesh.dcn.to_dict())
     rules = partitioning.make_rules(cfg.mesh.rules_preset, cfg.mesh.rules.to_dict())
@@ -501,8 +501,8 @@ def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> list[StageResult]:
     """Runs ``config.stage``: one next-token stage, or (``all``) the three in order."""
-    stages = config_lib.TRAIN_STAGES if config.stage == "all" else (config.stage,)
-    if config.stage != "all" and config.stage not in config_lib.TRAIN_STAGES:
-        raise ValueError(f"stage={config.stage!r} is not one of {config_lib.TRAIN_STAGES}")
+    to_run = stages.TRAIN_STAGES if config.stage == "all" else (config.stage,)
+    if config.stage != "all" and config.stage not in stages.TRAIN_STAGES:
+        raise ValueError(f"stage={config.stage!r} is not one of {stages.TRAIN_STAGES}")
     write_config(config, workdir)
-    return [run_stage(config, stage, workdir) for stage in stages]
+    return [run_stage(config, stage, workdir) for stage in to_run]

@@ -7,8 +7,8 @@ import pytest
 import tokenizers
 from tokenizers import models, pre_tokenizers
 
-from cursor_rl.data import tokenizer as tokenizer_lib
-from cursor_rl.data.tokenizer import SPECIAL_TOKENS, Tokenizer
+from cursor_rl.chat import tokenizer as tokenizer_lib
+from cursor_rl.chat.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 CODE = [
     "def add(a, b):\n    return a + b\n",

@@ -1,4 +1,4 @@
-"""The train / private-benchmark split of task sources, in one place.
+"""The train / private-benchmark split of the code the project learns from, in one place.
 
 Composer 2 was measured on a private benchmark that the model never saw in any
 form. Here the benchmark is built from *different code* than the training tasks:
@@ -14,7 +14,7 @@ form. Here the benchmark is built from *different code* than the training tasks:
    exclusion by name cannot: n-gram overlap between benchmark solutions and both
    the corpus and the training tasks.
 2. **Tiny family.** Procedurally generated single-file modules
-   (``cursor_rl.tasks.tiny``) are split by generator seed: training modules come
+   (``cursor_rl.data.tiny_modules``) are split by generator seed: training modules come
    from ``TINY_TRAIN_SEEDS`` and benchmark modules from ``TINY_BENCH_SEEDS``.
    Both draw from the same function templates (a tiny model could not otherwise
    transfer) but with independently drawn names, constants and module mixes, and
@@ -32,7 +32,9 @@ imports at start-up (``random``, via site-packages' ``.pth`` hooks on this machi
 are left out: their tests would exercise the interpreter's copy, not the task's
 (validation's sensitivity probe rejects such a repository anyway).
 
-This module is imported by the data pipeline: it must stay free of heavy imports.
+It sits in ``cursor_rl.data`` because both the pretraining corpus and the task factory
+(``cursor_rl.tasks``, a floor above) follow it; the data pipeline's workers import it,
+so it must stay free of heavy imports.
 """
 
 from __future__ import annotations

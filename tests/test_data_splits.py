@@ -1,11 +1,12 @@
-"""The train/bench split: disjoint, real stdlib modules with tests, importable cheaply."""
+"""The train/bench split: disjoint, real stdlib modules with tests, importable cheaply (as is
+every task-factory module)."""
 
 import os
 import subprocess
 import sys
 import sysconfig
 
-from cursor_rl.tasks import splits
+from cursor_rl.data import splits
 
 
 def test_stdlib_split_is_disjoint_and_sorted():
@@ -29,7 +30,7 @@ def test_tiny_seed_ranges_are_disjoint():
 
 def test_splits_module_imports_nothing_heavy():
     code = (
-        "import sys, cursor_rl.tasks.splits\n"
+        "import sys, cursor_rl.data.splits\n"
         "print(sorted(m for m in sys.modules if m in ('jax', 'numpy', 'flax')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -6,8 +6,8 @@ task's repository in a real ``Sandbox``, the real tools (``cursor_rl.env.tools``
 the harness's episode loop (``cursor_rl.env.harness.AgentEpisode``), and a scripted
 solver in place of the model. Every observation is what the tool really printed.
 
-    python -m cursor_rl.data.builtin_sft --num_tasks=48            # rewrite builtin_sft.jsonl
-    python -m cursor_rl.data.builtin_sft --tasks=DIR/tasks.jsonl --out=my_sft.jsonl
+    python -m cursor_rl.tasks.builtin_sft --num_tasks=48           # rewrite data/sft.jsonl
+    python -m cursor_rl.tasks.builtin_sft --tasks=DIR/tasks.jsonl --out=my_sft.jsonl
 
 The solver (``plan_episode``) behaves like a careful agent: it reads the file named
 in the task; for a bug or a missing feature it first runs a quick check that shows
@@ -29,7 +29,8 @@ Design choices:
    The episode itself runs on token ids (``AgentEpisode`` needs a ``ChatFormat``;
    any tokenizer with the special tokens serves), and every demonstration is checked
    to render (``ChatFormat.render``) to exactly the episode's token trajectory.
-3. **The set ships with the package** (``builtin_sft.jsonl``): SFT then needs no
+3. **The set ships with the package** (``cursor_rl/data/sft.jsonl``, read by
+   ``cursor_rl.data.sft`` as the ``builtin`` source): SFT then needs no
    sandbox, no root and no task build at training time; this command regenerates it.
 4. **The agent's ``python`` is the task's interpreter** (``grading.sandbox_kwargs``
    puts it on the sandbox ``PATH``), the interpreter the grader runs the hidden tests
@@ -39,8 +40,10 @@ Design choices:
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import dataclasses
 import functools
+import multiprocessing
 import os
 import shlex
 import shutil
@@ -52,11 +55,12 @@ from typing import Any
 
 from absl import app, flags
 
+from cursor_rl.chat import protocol
+from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.data import sft
-from cursor_rl.data.tokenizer import Tokenizer
-from cursor_rl.env import grader, harness, protocol, tools
+from cursor_rl.env import grader, harness, tools
 from cursor_rl.env.sandbox import Sandbox
-from cursor_rl.tasks import grading, records
+from cursor_rl.tasks import build, grading, records
 
 SYSTEM_PROMPT = harness.DEFAULT_SYSTEM_PROMPT
 PLANS = ("full", "short")
@@ -424,9 +428,6 @@ def demonstrations(
     """
     kwargs = dict(dataset_dir=dataset_dir, plan=plan, tools_style=tools_style)
     if workers > 1:
-        import concurrent.futures
-        import multiprocessing
-
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
             results = pool.map(functools.partial(_run_with_own_chat, **kwargs), tasks)
@@ -463,10 +464,8 @@ def build_tiny_tasks(
     Returns:
       The task records.
     """
-    from cursor_rl.tasks import build
-
-    # One worker: CPython 3.11.7's ast.parse is not thread-safe (intermittent
-    # "AST constructor recursion depth mismatch" SystemError in the generators).
+    # One worker: with several, which repositories fill ``count`` first depends on
+    # thread timing, and the shipped set should come out the same on every run.
     config = build.BuildConfig(
         source="tiny",
         out=out_dir,

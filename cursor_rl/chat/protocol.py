@@ -60,7 +60,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from cursor_rl.data.tokenizer import Tokenizer
+from cursor_rl.chat.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 

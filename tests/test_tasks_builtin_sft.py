@@ -9,9 +9,10 @@ import types
 import numpy as np
 import pytest
 
-from cursor_rl.data import builtin_sft, pipeline, sft
-from cursor_rl.data.tokenizer import Tokenizer
-from cursor_rl.env import protocol
+from cursor_rl.chat import protocol
+from cursor_rl.chat.tokenizer import Tokenizer
+from cursor_rl.data import pipeline, sft
+from cursor_rl.tasks import builtin_sft
 
 
 def test_hunks_become_unique_edits_reproducing_the_solution():

@@ -7,9 +7,7 @@ import sys
 
 import pytest
 
-from cursor_rl.env import testing
-from cursor_rl.env.harness import AgentEpisode
-from cursor_rl.env.protocol import (
+from cursor_rl.chat.protocol import (
     ChatFormat,
     Message,
     ToolCall,
@@ -19,6 +17,8 @@ from cursor_rl.env.protocol import (
     Trajectory,
     tools_prompt,
 )
+from cursor_rl.env import testing
+from cursor_rl.env.harness import AgentEpisode
 from cursor_rl.env.tools import TOOL_SPECS, ToolResult
 
 TOOLS = {spec.name: spec for spec in TOOL_SPECS}

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-# The chat / tool-call protocol's special tokens (see cursor_rl.env.protocol for the
+# The chat / tool-call protocol's special tokens (see cursor_rl.chat.protocol for the
 # format). Order fixes their ids in a freshly trained tokenizer: <|pad|> is 0.
 SPECIAL_TOKENS: tuple[str, ...] = (
     "<|pad|>",
