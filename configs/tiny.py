@@ -120,12 +120,16 @@ def get_config(arg=None):
     rl.tasks.bench_count = 32
     rl.rollout.group_size = 8
     # Long-horizon: room to read, edit, run the tests and retry; a context past
-    # 640 tokens is summarised by the model itself and the episode goes on from
+    # 900 tokens is summarised by the model itself and the episode goes on from
     # [system, task, summary] (rl/rollout.py), as Composer's long episodes do.
+    # Reading the task's file brings a context to ~640 tokens: a threshold of 640
+    # summarised nearly every episode right after the read, before its edit (the
+    # file's text was gone; measured 2026-12-04). At 900 a read-edit-submit episode
+    # fits and an episode that runs the tests and retries crosses it.
     rl.rollout.max_turns = 8
     rl.rollout.max_new_tokens = 192
     rl.rollout.token_budget = 1024
-    rl.rollout.summary_threshold = 640
+    rl.rollout.summary_threshold = 900
     rl.rollout.max_summaries = 1
     rl.rollout.summary_max_tokens = 128
     rl.reward.token_budget = 1024
