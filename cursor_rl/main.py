@@ -1,6 +1,9 @@
 """Entry point: ``python -m cursor_rl.main --config=configs/NAME.py[:ARG] --workdir=DIR``.
 
 Intentionally short: it parses flags and calls one function per stage family.
+``--workdir`` may be relative, absolute, start with ``~`` or be a ``gs://`` URL; it is
+resolved once here, created and checked writable before anything else runs (an
+unusable one is an error naming the path and the reason; see ``cursor_rl.workdir``).
 Multi-host: set ``--multihost`` (or CURSOR_RL_MULTIHOST=1) to call
 ``jax.distributed.initialize`` first (TPU pods discover their peers; elsewhere pass
 ``--coordinator_address``, ``--num_processes`` and ``--process_id``).
@@ -15,7 +18,9 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and logs go.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Where checkpoints, metrics and logs go: a directory or gs:// URL."
+)
 _MULTIHOST = flags.DEFINE_bool(
     "multihost", os.environ.get("CURSOR_RL_MULTIHOST", "0") == "1", "Initialise jax.distributed."
 )
@@ -27,6 +32,13 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     del argv
+    from cursor_rl.workdir import Workdir, WorkdirError
+
+    try:
+        workdir = Workdir.create(_WORKDIR.value)
+    except WorkdirError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     import jax
 
     if _MULTIHOST.value:
@@ -47,7 +59,7 @@ def main(argv):
     overrides = config_flags.get_override_values(flags.FLAGS["config"])
     config = config_lib.apply_command_line(_CONFIG.value, overrides)
     try:
-        rows = pipeline.run(config, _WORKDIR.value)
+        rows = pipeline.run(config, workdir)
     except Preempted as e:
         print(e, flush=True)
         sys.exit(0)

@@ -14,6 +14,7 @@ import ml_collections
 
 from cursor_rl import config_lib
 from cursor_rl.train import loop as train_loop
+from cursor_rl.workdir import Workdir
 
 
 @dataclasses.dataclass
@@ -47,19 +48,25 @@ def _rl_row(r: dict) -> StageRow:
     return StageRow("rl", int(r.get("steps", 0)), None, train, ev, float(r.get("wall_s", 0.0)))
 
 
-def prepare_sft_data(config: ml_collections.ConfigDict, workdir: str) -> ml_collections.ConfigDict:
+def prepare_sft_data(
+    config: ml_collections.ConfigDict, workdir: Workdir | str
+) -> ml_collections.ConfigDict:
     """Generates the run's SFT demonstrations (``sft_data``) if wanted; returns the config
     whose SFT stage reads them.
 
     The scripted solver runs on the run's training tasks (the RL stage's datasets,
     built now if needed) in the real harness, with the run's system prompt and tool
-    listing, so SFT teaches exactly the episode format RL samples in.
+    listing, so SFT teaches exactly the episode format RL samples in. The data
+    pipeline reads the file locally: with a remote workdir it is written to the local
+    cache and copied to the workdir (and back, for a job restarted elsewhere).
     """
     n = int(config.sft_data.demos)
     if n <= 0:
         return config
-    path = os.path.join(workdir, "sft_data", "demos.jsonl")
-    if jax.process_index() == 0 and not os.path.exists(path):
+    workdir = Workdir.of(workdir)
+    path = workdir.local_path(workdir.sft_demos_file)
+    have = workdir.fetch(workdir.sft_demos_file)
+    if jax.process_index() == 0 and not have:
         from cursor_rl.data import builtin_sft
         from cursor_rl.rl.loop import task_datasets
         from cursor_rl.tasks import records
@@ -80,15 +87,18 @@ def prepare_sft_data(config: ml_collections.ConfigDict, workdir: str) -> ml_coll
         os.makedirs(os.path.dirname(path), exist_ok=True)
         builtin_sft.write_demonstrations(path + ".tmp", demos)
         os.replace(path + ".tmp", path)
+        workdir.publish(workdir.sft_demos_file)
         print(
             f"[sft_data] {len(demos)} demonstrations of {len(tasks)} tasks in "
-            f"{time.time() - start:.0f}s -> {path}",
+            f"{time.time() - start:.0f}s -> {workdir.sft_demos_file}",
             flush=True,
         )
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("sft_data")
+        if not workdir.fetch(workdir.sft_demos_file):
+            raise FileNotFoundError(f"process 0 wrote no SFT demonstrations at {path}")
     config = ml_collections.ConfigDict(config.to_dict())
     config.stage_overrides.sft.data = {
         **config.stage_overrides.sft.get("data", ml_collections.ConfigDict()).to_dict(),
@@ -97,10 +107,15 @@ def prepare_sft_data(config: ml_collections.ConfigDict, workdir: str) -> ml_coll
     return config
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> list[StageRow]:
-    """Runs ``config.stage`` and writes the report; returns the summary rows."""
+def run(config: ml_collections.ConfigDict, workdir: Workdir | str) -> list[StageRow]:
+    """Runs ``config.stage`` and writes the report; returns the summary rows.
+
+    ``workdir`` is resolved here once (absolute, ``~`` expanded) and handed to every
+    stage as a ``Workdir``.
+    """
     if config.stage not in config_lib.PIPELINE_STAGES:
         raise ValueError(f"stage={config.stage!r} is not one of {config_lib.PIPELINE_STAGES}")
+    workdir = Workdir.of(workdir)
     rows: list[StageRow] = []
     train_stages = [s for s in config_lib.TRAIN_STAGES if config.stage in ("all", s)]
     if train_stages:

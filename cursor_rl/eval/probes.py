@@ -44,6 +44,7 @@ from absl import app, flags
 from cursor_rl import checkpoints, model
 from cursor_rl.data.tokenizer import SPECIAL_TOKENS
 from cursor_rl.model.config import ModelConfig
+from cursor_rl.workdir import Workdir
 
 DEFAULT_LOW = len(SPECIAL_TOKENS)  # choice 3: a tokenizer trained here puts them first
 _KEYS = ("tokens", "targets", "positions", "segment_ids", "score_mask")
@@ -144,13 +145,13 @@ def copy_score(
     return {**result, "chance_accuracy": 1.0 / (high - low)}
 
 
-def checkpoint_paths(workdir: str, stage: str) -> list[str]:
+def checkpoint_paths(workdir: Workdir | str, stage: str) -> list[str]:
     """The finalised step directories of ``workdir``'s ``stage``, oldest first."""
-    directory = checkpoints.checkpoint_dir(workdir, stage)
+    directory = Workdir.of(workdir).checkpoint_dir(stage)
     steps = checkpoints.finalised_steps(directory)
     if not steps:
         raise FileNotFoundError(f"no finalised checkpoints of stage {stage!r} under {directory}")
-    return [os.path.join(directory, str(step)) for step in steps]
+    return [os.fspath(directory / str(step)) for step in steps]
 
 
 def probe_checkpoint(path: str, **row_kwargs: Any) -> dict[str, float]:

@@ -26,6 +26,7 @@ _PIP = {
     "etils": "etils",
     "array_record": "array-record",
     "flax": "flax",
+    "fsspec": "fsspec",
     "grain": "grain",
     "jax": "jax",
     "jaxlib": "jax",
