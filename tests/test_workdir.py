@@ -211,6 +211,17 @@ def test_gs_workdir_rl_files_and_local_copies(tmp_path, monkeypatch):
         assert builds == ["train", "bench"], "copied back, not built again"
         with open(os.path.join(again[0], "repos", "r.txt")) as fh:
             assert fh.read() == "train repos/r.txt"
+        # A single file (the SFT demonstrations) makes the same round trip.
+        demos = Workdir("gs://bucket/run")
+        assert not demos.fetch(demos.sft_demos_file)  # nowhere yet
+        os.makedirs(os.path.dirname(demos.local_path(demos.sft_demos_file)))
+        with open(demos.local_path(demos.sft_demos_file), "w") as fh:
+            fh.write('{"messages": []}\n')
+        demos.publish(demos.sft_demos_file)
+        monkeypatch.setenv(workdir.LOCAL_CACHE_ENV, str(tmp_path / "third"))
+        assert demos.fetch(demos.sft_demos_file)
+        with open(demos.local_path(demos.sft_demos_file)) as fh:
+            assert fh.read() == '{"messages": []}\n'
 
         store = RolloutStore(wd)
         store.write(0, [], {"policy_version": 3})
