@@ -14,6 +14,7 @@ _CORE = [
     "orbax-checkpoint>=0.12.8,<0.13",
     "grain>=0.2.18,<0.3",
     "ml-collections>=1.1.0,<1.2",
+    "etils[epath]>=1.15,<2",  # cursor_rl.workdir: local and gs:// paths (brings fsspec)
     "tensorstore>=0.1.86,<0.2",
     "tokenizers>=0.23,<0.24",
     "safetensors>=0.8,<0.9",
@@ -33,8 +34,9 @@ _EXTRAS = {
     "hf": ["torch==2.13.0", "transformers>=5.0,<6"],
     "seqio": ["seqio==0.0.20"],
     "xm": ["xmanager==0.8.5.post1"],
-    # gs:// workdirs: epath writes the trainer's own files through gcsfs (Orbax/tensorstore
-    # need nothing extra). Add it to a pod's extras: `.[tpu,gcs]`.
+    # gs:// workdirs: epath writes the run's own files through gcsfs; gcsfs brings
+    # google-cloud-storage, which Orbax asks about the bucket (tensorstore writes the
+    # arrays itself). Add it to a pod's extras: `.[tpu,gcs]`.
     "gcs": ["gcsfs>=2024.6"],
     "test": ["pytest>=8,<10", "ruff>=0.17,<0.18"],
 }

@@ -36,6 +36,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from cursor_rl.model.config import ModelConfig
+from cursor_rl.workdir import resolve
 
 PARAMS, TRAIN, DATA, METADATA = "params", "train", "data", "metadata"
 _COMMIT_MARKER = "commit_success.txt"  # written by Orbax when a step is finalised
@@ -80,7 +81,8 @@ class CheckpointManager:
         async_save: bool = True,
         fallback_to_previous: bool = True,
     ):
-        self.directory = os.fspath(directory)
+        # Orbax refuses relative paths and knows no `~`: every caller gets them resolved.
+        self.directory = os.fspath(resolve(directory, "checkpoint directory"))
         self.fallback_to_previous = fallback_to_previous
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep_last or None,
@@ -216,11 +218,6 @@ def model_config_from_metadata(
     return ModelConfig.from_dict(metadata["model_config"])
 
 
-def checkpoint_dir(workdir: str, stage: str) -> str:
-    """``WORKDIR/<stage>/checkpoints`` (the workdir layout in DESIGN.md)."""
-    return os.path.join(workdir, stage, "checkpoints")
-
-
 def finalised_steps(directory: str) -> list[int]:
     """The finalised checkpoint steps under ``directory``, ascending (none: empty).
 
@@ -228,7 +225,7 @@ def finalised_steps(directory: str) -> list[int]:
     marker (on local disks the rename from ``*.orbax-checkpoint-tmp-*`` is atomic too;
     on GCS the marker is what tells a finished step).
     """
-    path = epath.Path(directory)
+    path = resolve(directory, "checkpoint directory")
     if not path.is_dir():
         return []
     return sorted(
@@ -241,11 +238,14 @@ def finalised_steps(directory: str) -> list[int]:
 def latest_checkpoint(directory: str) -> str | None:
     """Path of the newest finalised checkpoint step under ``directory``, or None."""
     steps = finalised_steps(directory)
-    return os.path.join(directory, str(steps[-1])) if steps else None
+    if not steps:
+        return None
+    return os.fspath(resolve(directory, "checkpoint directory") / str(steps[-1]))
 
 
 def _step_path(path: str) -> str:
     """Accepts a step directory or a checkpoints directory (-> its latest step)."""
+    path = os.fspath(resolve(path, "checkpoint"))
     if (epath.Path(path) / PARAMS).is_dir():
         return path
     latest = latest_checkpoint(path)
@@ -279,9 +279,7 @@ def restore_variables(path: str, target) -> dict[str, Any]:
     """
     step_path = _step_path(path)
     try:
-        return ocp.StandardCheckpointer().restore(
-            os.path.join(step_path, PARAMS), _abstract(target)
-        )
+        return ocp.StandardCheckpointer().restore(epath.Path(step_path) / PARAMS, _abstract(target))
     except Exception as e:
         raise CheckpointError(f"cannot restore variables from {step_path}: {e}") from e
 
@@ -292,4 +290,4 @@ def save_variables(path: str, variables: Mapping[str, Any], metadata: Mapping[st
     manager = CheckpointManager(path, keep_last=0, async_save=False)
     manager.save(step, variables, metadata=metadata)
     manager.close()
-    return os.path.join(path, str(step))
+    return os.fspath(epath.Path(manager.directory) / str(step))

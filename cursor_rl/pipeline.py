@@ -17,6 +17,7 @@ from cursor_rl.eval import report
 from cursor_rl.rl import loop as rl_loop
 from cursor_rl.tasks import builtin_sft, records
 from cursor_rl.train import loop as train_loop
+from cursor_rl.workdir import Workdir
 
 
 @dataclasses.dataclass
@@ -50,19 +51,25 @@ def _rl_row(r: dict) -> StageRow:
     return StageRow("rl", int(r.get("steps", 0)), None, train, ev, float(r.get("wall_s", 0.0)))
 
 
-def prepare_sft_data(config: ml_collections.ConfigDict, workdir: str) -> ml_collections.ConfigDict:
+def prepare_sft_data(
+    config: ml_collections.ConfigDict, workdir: Workdir | str
+) -> ml_collections.ConfigDict:
     """Generates the run's SFT demonstrations (``sft_data``) if wanted; returns the config
     whose SFT stage reads them.
 
     The scripted solver runs on the run's training tasks (the RL stage's datasets,
     built now if needed) in the real harness, with the run's system prompt and tool
-    listing, so SFT teaches exactly the episode format RL samples in.
+    listing, so SFT teaches exactly the episode format RL samples in. The data
+    pipeline reads the file locally: with a remote workdir it is written to the local
+    cache and copied to the workdir (and back, for a job restarted elsewhere).
     """
     n = int(config.sft_data.demos)
     if n <= 0:
         return config
-    path = os.path.join(workdir, "sft_data", "demos.jsonl")
-    if jax.process_index() == 0 and not os.path.exists(path):
+    workdir = Workdir.of(workdir)
+    path = workdir.local_path(workdir.sft_demos_file)
+    have = workdir.fetch(workdir.sft_demos_file)
+    if jax.process_index() == 0 and not have:
         start = time.time()
         train_dir, _ = rl_loop.task_datasets(stages.stage_config(config, "rl"), workdir)
         tasks = records.load_tasks(os.path.join(train_dir, records.TASKS_FILE))[:n]
@@ -79,15 +86,18 @@ def prepare_sft_data(config: ml_collections.ConfigDict, workdir: str) -> ml_coll
         os.makedirs(os.path.dirname(path), exist_ok=True)
         builtin_sft.write_demonstrations(path + ".tmp", demos)
         os.replace(path + ".tmp", path)
+        workdir.publish(workdir.sft_demos_file)
         print(
             f"[sft_data] {len(demos)} demonstrations of {len(tasks)} tasks in "
-            f"{time.time() - start:.0f}s -> {path}",
+            f"{time.time() - start:.0f}s -> {workdir.sft_demos_file}",
             flush=True,
         )
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("sft_data")
+        if not workdir.fetch(workdir.sft_demos_file):
+            raise FileNotFoundError(f"process 0 wrote no SFT demonstrations at {path}")
     config = ml_collections.ConfigDict(config.to_dict())
     config.stage_overrides.sft.data = {
         **config.stage_overrides.sft.get("data", ml_collections.ConfigDict()).to_dict(),
@@ -96,10 +106,15 @@ def prepare_sft_data(config: ml_collections.ConfigDict, workdir: str) -> ml_coll
     return config
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> list[StageRow]:
-    """Runs ``config.stage`` and writes the report; returns the summary rows."""
+def run(config: ml_collections.ConfigDict, workdir: Workdir | str) -> list[StageRow]:
+    """Runs ``config.stage`` and writes the report; returns the summary rows.
+
+    ``workdir`` is resolved here once (absolute, ``~`` expanded) and handed to every
+    stage as a ``Workdir``.
+    """
     if config.stage not in stages.PIPELINE_STAGES:
         raise ValueError(f"stage={config.stage!r} is not one of {stages.PIPELINE_STAGES}")
+    workdir = Workdir.of(workdir)
     base = bases.resolve(config.get("init_from", ""))
     if base is not None and config.stage in ("all", stages.STAGES[0]):
         bases.verify(base)  # a damaged base is refused before any stage starts

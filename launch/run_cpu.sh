@@ -4,7 +4,12 @@
 # summary, then runs pretrain -> long-context -> SFT -> RL -> eval on the embedded
 # standard-library corpus and the tiny task family.
 #   bash launch/run_cpu.sh [WORKDIR] [--config.x=y ...]
-# WORKDIR defaults to workdirs/tiny-<timestamp>; an existing one is resumed.
+# WORKDIR defaults to workdirs/tiny-<timestamp>; an existing one is resumed. It may be
+# relative, absolute, start with ~ or be a gs:// URL (resolved by cursor_rl.main).
+#
+# CURSOR_RL_SMOKE=1: a smoke run (what CI runs): the same pipeline with the step, task
+# and episode counts of launch/smoke.flags (flags given here still win), then
+# launch/check_run.py checks that every stage left its checkpoints and report.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install_system_deps.sh
@@ -15,7 +20,16 @@ if [ $# -gt 0 ] && [[ "$1" != --* ]]; then
   workdir="$1"
   shift
 fi
+smoke=()
+if [ "${CURSOR_RL_SMOKE:-0}" = "1" ]; then
+  # One flag per line; blank lines and # comments skipped.
+  mapfile -t smoke < <(sed -e 's/#.*//' -e 's/[[:space:]]*$//' launch/smoke.flags | grep -v '^$')
+  echo "[smoke] ${smoke[*]}"
+fi
 export JAX_PLATFORMS=cpu
 python -m cursor_rl.tools.model_summary --config=configs/tiny.py | grep -v "^  \['"
-python -m cursor_rl.main --config=configs/tiny.py --workdir="$workdir" "$@"
+python -m cursor_rl.main --config=configs/tiny.py --workdir="$workdir" ${smoke[@]+"${smoke[@]}"} "$@"
 echo "workdir: $workdir (report: $workdir/report.md)"
+if [ "${CURSOR_RL_SMOKE:-0}" = "1" ]; then
+  python -m launch.check_run "$workdir"
+fi

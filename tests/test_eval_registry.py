@@ -24,10 +24,6 @@ def _summary(pass_at_1, *, bench="tiny_bench", stage="rl", step=1):
     }
 
 
-def test_default_path():
-    assert registry_lib.registry_path("/w") == "/w/eval/registry.json"
-
-
 def test_retires_at_threshold_and_persists(tmp_path):
     path = str(tmp_path / "eval" / "registry.json")
     registry = registry_lib.Registry(path)

@@ -10,6 +10,7 @@ import sys
 
 from cursor_rl.eval import metrics, registry, report, runner
 from cursor_rl.eval.testing import graded_episode
+from cursor_rl.workdir import Workdir
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,7 +95,7 @@ def _full_run(workdir):
     rl = _rl_rows()
     rows = [*_training_rows(), base_eval, sft_eval, *rl[:2], mid_eval, *rl[2:], last_eval]
     _write_rows(workdir, rows, torn_tail=True)
-    reg = registry.Registry(registry.registry_path(workdir))
+    reg = registry.Registry(Workdir(workdir).registry_file)
     for summary in (base_summary, sft_summary, mid_summary, last_summary):
         reg.record(summary)
 
@@ -224,7 +225,7 @@ def test_corrupt_registry_does_not_stop_the_report(tmp_path):
     workdir = str(tmp_path / "run")
     _write_rows(workdir, _training_rows())
     os.makedirs(os.path.join(workdir, "eval"))
-    with open(registry.registry_path(workdir), "w") as fh:
+    with open(Workdir(workdir).registry_file, "w") as fh:
         fh.write("{")
     text = _report_text(workdir)
     assert "Unreadable: eval registry" in text

@@ -3,6 +3,7 @@
 import ast
 import dataclasses
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -270,55 +271,78 @@ def test_gpu_xla_flags_are_known_to_this_xla():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-# ---- gs:// workdirs --------------------------------------------------------------
+# ---- the smoke run of the main command (CURSOR_RL_SMOKE=1) -----------------------
 
 
-def test_trainer_files_in_a_gs_workdir_go_through_epath_without_appends(tmp_path, monkeypatch):
-    """Metrics and tokenizer on gs:// (mapped onto tmp_path): object stores cannot append."""
-    import tensorboardX
-    from etils.epath import testing as epath_testing
-
-    from cursor_rl.train import loop, metrics
-    from tests.train_helpers import micro_config
-
-    modes = []
-
-    def local(path):
-        return os.fspath(path).replace("gs://bucket", str(tmp_path))
-
-    def redirected(name):
-        def call(original, path, *args, **kwargs):
-            if name == "open":
-                modes.append(args[0] if args else kwargs.get("mode", "r"))
-            if name in ("replace", "rename"):  # (src, dst): both are paths
-                args = (local(args[0]), *args[1:])
-            return original(local(path), *args, **kwargs)
-
-        return call
-
-    names = ("open", "exists", "isdir", "makedirs", "mkdir", "listdir", "replace", "rename")
-    # TensorBoard event files go to GCS through tensorboardX's own writer: not under test.
-    monkeypatch.setattr(tensorboardX, "SummaryWriter", lambda *a, **k: _NullSummaryWriter())
-    with epath_testing.mock_epath(**{name: redirected(name) for name in names}):
-        writer = metrics.MetricsWriter("gs://bucket/run")
-        writer.write("pretrain", 1, {"loss": 2.0})
-        writer.write("pretrain", 2, {"loss": 1.5})
-        resumed = metrics.MetricsWriter("gs://bucket/run")  # a restarted job keeps the rows
-        resumed.write("pretrain", 3, {"loss": 1.0})
-        assert [r["step"] for r in metrics.read_metrics("gs://bucket/run")] == [1, 2, 3]
-        tokenizer = loop.ensure_tokenizer(micro_config(), "gs://bucket/run")
-    assert "a" not in "".join(modes)
-    saved = tmp_path / "run" / "tokenizer" / "tokenizer.json"
-    assert saved.read_text(encoding="utf-8") == tokenizer.to_json()
-    assert not os.path.exists("gs:"), "nothing may land in a local directory named gs:"
+def _smoke_flags():
+    with open(os.path.join(ROOT, "launch", "smoke.flags")) as fh:
+        lines = [line.split("#", 1)[0].strip() for line in fh]
+    return [line for line in lines if line]
 
 
-class _NullSummaryWriter:
-    def add_scalar(self, *args, **kwargs):
-        pass
+def test_smoke_flags_parse_as_overrides_of_the_tiny_config(tmp_path):
+    """Every smoke flag names a field of configs/tiny.py with a value of its type: the
+    main command's own flag parser accepts them (it would exit 1 at a bad one) and
+    stops only at the deliberately unusable workdir (exit 2)."""
+    flags = _smoke_flags()
+    assert flags and all(f.startswith("--config.") and "=" in f for f in flags), flags
+    keys = {f[len("--config.") :].split("=", 1)[0] for f in flags}
+    assert {"train.num_steps", "rl.num_steps", "rl.tasks.train_count"} <= keys
+    sweep.check_overrides(_load_config(TINY), dict.fromkeys(keys))
+    taken = tmp_path / "a_file"
+    taken.write_text("")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    result = subprocess.run(
+        [sys.executable, "-m", "cursor_rl.main", "--config=configs/tiny.py",
+         f"--workdir={taken}/run", *flags],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "is not usable" in result.stderr, result.stderr[-2000:]
 
-    def close(self):
-        pass
+
+def _fake_finished_run(workdir, config):
+    """The files a finished run leaves, as check_run sees them (no real checkpoints:
+    a step directory with Orbax's commit marker is what counts as finalised)."""
+    from cursor_rl import stages as stages_lib
+    from cursor_rl.workdir import Workdir
+
+    wd = Workdir(workdir)
+    wd.root.mkdir(parents=True)
+    wd.config_file.write_text(config.to_json_best_effort())
+    wd.tokenizer_file.parent.mkdir()
+    wd.tokenizer_file.write_text("{}")
+    stages = (*stages_lib.TRAIN_STAGES, "rl")
+    last = {s: stages_lib.stage_config(config, s).train.num_steps for s in stages}
+    last["rl"] = config.rl.num_steps
+    for directory, step in [(wd.checkpoint_dir(s), last[s]) for s in stages] + [(wd.policy_dir, 1)]:
+        (directory / str(step)).mkdir(parents=True)
+        (directory / str(step) / "commit_success.txt").write_text("")
+    wd.rl_done_file.write_text("")
+    rows = [{"stage": s, "step": 1} for s in stages]
+    rows += [{"stage": "sft", "step": 0, "bench": "b"}, {"stage": "rl", "step": 1, "bench": "b"}]
+    wd.metrics_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    wd.report_file.write_text("".join(f"| {s} | 1 |\n" for s in stages))
+    return wd
+
+
+def test_check_run_passes_a_finished_run_and_names_what_is_missing(tmp_path, capsys):
+    from launch import check_run
+
+    config = _load_config(TINY)
+    wd = _fake_finished_run(tmp_path / "run", config)
+    assert check_run.main(["check_run", str(tmp_path / "run")]) == 0
+    assert "every stage ran" in capsys.readouterr().out
+
+    # The SFT stage stopped early: its last checkpoint is not at train.num_steps.
+    sft_steps = config.stage_overrides.sft.train.num_steps
+    os.rename(wd.checkpoint_dir("sft") / str(sft_steps), wd.checkpoint_dir("sft") / "5")
+    wd.report_file.write_text("| pretrain |\n")
+    assert check_run.main(["check_run", str(tmp_path / "run")]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL sft checkpoint at step {sft_steps}" in out and "(steps [5])" in out
+    assert "FAIL report names every stage (missing: ['long_context', 'sft', 'rl'])" in out
+    assert "1 check(s) failed" not in out and "2 check(s) failed" in out
+    assert check_run.main(["check_run", str(tmp_path / "nowhere")]) == 2
 
 
 # ---- venv installs -----------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 
 from cursor_rl import checkpoints
 from cursor_rl.train import loop, metrics
+from cursor_rl.workdir import Workdir
 from tests.train_helpers import micro_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,12 +110,10 @@ def test_two_process_pod_matches_one_process_and_resumes_across_processes(tmp_pa
     outputs = _run_pod(config_file, workdir, STEPS_FIRST)
     assert "[pretrain]" in outputs[0] and "[pretrain]" not in outputs[1], "process 0 reports"
     # Both processes wrote their share of checkpoint 4 (the data item holds one file each).
-    manager = checkpoints.CheckpointManager(checkpoints.checkpoint_dir(workdir, "pretrain"))
+    manager = checkpoints.CheckpointManager(Workdir(workdir).checkpoint_dir("pretrain"))
     assert manager.all_steps() == [2, 4]
     manager.close()
-    data_files = os.listdir(
-        os.path.join(checkpoints.checkpoint_dir(workdir, "pretrain"), "4", "data")
-    )
+    data_files = os.listdir(Workdir(workdir).checkpoint_dir("pretrain") / "4" / "data")
     assert len([f for f in data_files if "process" in f]) == 2, data_files
 
     # A new pod restores checkpoint 4 (each process its own shards and iterator) and goes on.

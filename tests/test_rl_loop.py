@@ -22,6 +22,7 @@ from cursor_rl.rl import grpo, rewards
 from cursor_rl.rl.loop import RolloutStore, score_groups
 from cursor_rl.rl.trainer import build_batch
 from cursor_rl.sampler import Sampler, SamplingParams
+from cursor_rl.workdir import Workdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -166,7 +167,7 @@ def rl_workdir(tmp_path, tokenizer, variables):
     workdir = str(tmp_path / "run")
     tokenizer.save(os.path.join(workdir, "tokenizer"))
     checkpoints.save_variables(
-        checkpoints.checkpoint_dir(workdir, "sft"),
+        Workdir(workdir).checkpoint_dir("sft"),
         jax.device_get(variables),
         checkpoints.make_metadata(MODEL, stage="sft", step=1, tokenizer_json=tokenizer.to_json()),
     )

@@ -15,6 +15,7 @@ import pytest
 from cursor_rl import checkpoints, model, partitioning
 from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.sampler import Sampler, SamplingParams, chat
+from cursor_rl.workdir import Workdir
 from tests.test_sampler import CONFIG, SAMPLER_OPTIONS, SHARDED_OPTIONS, random_variables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,7 +130,7 @@ def test_chat_command_has_a_pulse(tmp_path, tokenizer):
     variables = random_variables(CONFIG, seed=3)
     workdir = tmp_path / "run"
     checkpoints.save_variables(
-        checkpoints.checkpoint_dir(str(workdir), "sft"), variables, _metadata(5, tokenizer)
+        Workdir(workdir).checkpoint_dir("sft"), variables, _metadata(5, tokenizer)
     )
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(

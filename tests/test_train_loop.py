@@ -12,6 +12,7 @@ import pytest
 
 from cursor_rl import checkpoints
 from cursor_rl.train import loop, metrics
+from cursor_rl.workdir import Workdir
 from tests.train_helpers import micro_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,7 +89,7 @@ def test_sigkill_and_restart_reproduces_losses_bitwise(tmp_path):
     _wait_for_step(proc, workdir, 5)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    saved = checkpoints.CheckpointManager(checkpoints.checkpoint_dir(workdir, "pretrain"))
+    saved = checkpoints.CheckpointManager(Workdir(workdir).checkpoint_dir("pretrain"))
     resumed_from = saved.latest_step()
     saved.close()
     assert resumed_from is not None and resumed_from < steps
@@ -113,7 +114,7 @@ def test_sigterm_writes_a_checkpoint_then_exits_cleanly(tmp_path):
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
     assert "SIGTERM" in output
-    manager = checkpoints.CheckpointManager(checkpoints.checkpoint_dir(workdir, "pretrain"))
+    manager = checkpoints.CheckpointManager(Workdir(workdir).checkpoint_dir("pretrain"))
     step = manager.latest_step()
     manager.close()
     assert step is not None and 3 <= step < 200
@@ -173,7 +174,7 @@ def test_invalid_config_fails_before_compiling_and_names_the_field(tmp_path, fie
     with pytest.raises(ValueError, match=match):
         loop.run(config, str(tmp_path))
     assert time.time() - start < 10  # failed at validation, not after a compile
-    assert not os.path.exists(checkpoints.checkpoint_dir(str(tmp_path), "pretrain"))
+    assert not Workdir(tmp_path).checkpoint_dir("pretrain").exists()
 
 
 def test_later_stage_without_its_predecessor_is_a_clear_error(tmp_path):

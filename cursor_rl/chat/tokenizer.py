@@ -26,6 +26,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 
 import tokenizers
+from etils import epath
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 # The chat / tool-call protocol's special tokens (see cursor_rl.chat.protocol for the
@@ -105,13 +106,16 @@ class Tokenizer:
         return cls(tok)
 
     @classmethod
-    def load(cls, path: str) -> Tokenizer:
-        """Loads ``path`` (a ``tokenizer.json`` file or a directory holding one)."""
-        file = os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path
-        if not os.path.exists(file):
+    def load(cls, path: str | os.PathLike) -> Tokenizer:
+        """Loads ``path`` (a ``tokenizer.json`` file or a directory holding one; local
+        or ``gs://``)."""
+        file = epath.Path(os.path.expanduser(os.fspath(path)))
+        if file.is_dir():
+            file = file / TOKENIZER_FILE
+        if not file.exists():
             raise FileNotFoundError(f"no tokenizer at {file}")
         try:
-            return cls(tokenizers.Tokenizer.from_file(file))
+            return cls(tokenizers.Tokenizer.from_str(file.read_text(encoding="utf-8")))
         except Exception as e:  # tokenizers raises bare Exceptions on bad JSON
             raise ValueError(f"unreadable tokenizer file {file}: {e}") from e
 

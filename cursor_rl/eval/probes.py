@@ -26,17 +26,18 @@ from cursor_rl.train.copy_probe import (  # the probe itself; this module is its
     repeat_rows,
     score,
 )
+from cursor_rl.workdir import Workdir
 
 __all__ = ["DEFAULT_LOW", "check_lengths", "copy_score", "repeat_rows", "score"]
 
 
-def checkpoint_paths(workdir: str, stage: str) -> list[str]:
+def checkpoint_paths(workdir: Workdir | str, stage: str) -> list[str]:
     """The finalised step directories of ``workdir``'s ``stage``, oldest first."""
-    directory = checkpoints.checkpoint_dir(workdir, stage)
+    directory = Workdir.of(workdir).checkpoint_dir(stage)
     steps = checkpoints.finalised_steps(directory)
     if not steps:
         raise FileNotFoundError(f"no finalised checkpoints of stage {stage!r} under {directory}")
-    return [os.path.join(directory, str(step)) for step in steps]
+    return [os.fspath(directory / str(step)) for step in steps]
 
 
 def probe_checkpoint(path: str, **row_kwargs: Any) -> dict[str, float]:

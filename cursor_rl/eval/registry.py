@@ -1,6 +1,6 @@
 """The saturation registry: each benchmark's results over time, and which are retired.
 
-    registry = Registry(registry_path(workdir))          # WORKDIR/eval/registry.json
+    registry = Registry(Workdir(workdir).registry_file)  # WORKDIR/eval/registry.json
     if registry.is_active("tiny_bench"):
         summary = runner.evaluate(...)
         registry.record(summary)                          # True when this eval retired it
@@ -16,9 +16,10 @@ Choices:
    restarted process (or the report) sees exactly what was recorded; a benchmark
    never recorded is active. One process records (the one running evals): there is
    no lock between concurrent writers.
-3. **Atomic writes.** A local file is replaced through a temporary file in the
-   same directory and ``os.replace`` (a crash leaves the old or the new registry,
-   never half of one); an object store (``gs://``) replaces objects whole.
+3. **Atomic writes** (``cursor_rl.workdir.write_text_atomic``): a local file is
+   replaced through a temporary file in the same directory and a rename (a crash
+   leaves the old or the new registry, never half of one); an object store
+   (``gs://``) replaces objects whole.
 4. **A corrupt file is an error, not a reset**: ``RegistryError`` names the file
    and what is wrong, and nothing overwrites it, since it is a run's history.
 
@@ -37,11 +38,12 @@ import copy
 import datetime
 import json
 import os
-import tempfile
 import time
 from typing import Any
 
 from etils import epath
+
+from cursor_rl.workdir import write_text_atomic
 
 DEFAULT_THRESHOLD = 0.9
 FORMAT = 1
@@ -52,11 +54,6 @@ class RegistryError(ValueError):
     """The registry file is not a valid saturation registry."""
 
 
-def registry_path(workdir: str) -> str:
-    """The default registry of a run: ``WORKDIR/eval/registry.json``."""
-    return os.path.join(os.fspath(workdir), "eval", "registry.json")
-
-
 class Registry:
     """Benchmarks' eval history and saturation status, kept in one JSON file.
 
@@ -65,7 +62,7 @@ class Registry:
       threshold: the pass@1 at which a benchmark is retired.
     """
 
-    def __init__(self, path: str, *, threshold: float = DEFAULT_THRESHOLD):
+    def __init__(self, path: str | os.PathLike, *, threshold: float = DEFAULT_THRESHOLD):
         if not 0 < threshold <= 1:
             raise ValueError(f"saturation threshold {threshold} must be in (0, 1]")
         self.path = epath.Path(path)
@@ -174,22 +171,7 @@ class Registry:
         )
 
     def _save(self, state: dict[str, Any]) -> None:
-        text = json.dumps(state, indent=2, sort_keys=True) + "\n"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if "://" in os.fspath(self.path):  # choice 3: object writes are whole already
-            self.path.write_text(text, encoding="utf-8")
-            return
-        fd, tmp = tempfile.mkstemp(prefix=".registry-", dir=os.fspath(self.path.parent))
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, os.fspath(self.path))
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_text_atomic(self.path, json.dumps(state, indent=2, sort_keys=True) + "\n")
 
 
 def _validate(state: Any, corrupt) -> None:

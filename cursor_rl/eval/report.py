@@ -48,10 +48,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from absl import app, flags
-from etils import epath
 
 from cursor_rl.eval import registry as registry_lib
 from cursor_rl.train.metrics import read_metrics
+from cursor_rl.workdir import Workdir, write_text_atomic
 
 STAGE_ORDER = ("pretrain", "long_context", "sft", "rl", "eval")
 AFTER_STAGES = ("rl", "eval")
@@ -68,7 +68,7 @@ _HEADLINE = ("pass@1", "pass@k", "best_of_k")
 _CATEGORY_KEY = re.compile(r"^(pass@1|pass@k|best_of_k)/(.+)$")
 
 
-def write_report(workdir: str, *, registry_path: str | None = None) -> str:
+def write_report(workdir: Workdir | str, *, registry_path: str | None = None) -> str:
     """Writes ``WORKDIR/report.md`` and its PNG plots.
 
     Args:
@@ -78,8 +78,8 @@ def write_report(workdir: str, *, registry_path: str | None = None) -> str:
     Returns:
       The report's path.
     """
-    root = epath.Path(workdir)
-    root.mkdir(parents=True, exist_ok=True)
+    workdir = Workdir.of(workdir)
+    workdir.root.mkdir(parents=True, exist_ok=True)
     rows = read_metrics(workdir)
     evals = [r for r in rows if "bench" in r]
     training = [r for r in rows if "bench" not in r]
@@ -94,12 +94,12 @@ def write_report(workdir: str, *, registry_path: str | None = None) -> str:
     written = []
     for name, figure in plots.items():
         if figure is not None:
-            with (root / name).open("wb") as fh:
+            with workdir.plot_file(name).open("wb") as fh:
                 figure.savefig(fh, format="png", dpi=110)
             written.append(name)
-    registry = registry_lib.Registry(registry_path or registry_lib.registry_path(workdir))
+    registry = registry_lib.Registry(registry_path or workdir.registry_file)
     sections = [
-        f"# Run report: {os.fspath(workdir)}",
+        f"# Run report: {workdir}",
         f"Written {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')} "
         f"from {len(rows)} rows of metrics.jsonl.",
         "## Stages\n\n" + _stage_table(rows, stages),
@@ -109,8 +109,8 @@ def write_report(workdir: str, *, registry_path: str | None = None) -> str:
         "## Plots\n\n" + _plot_links(written),
         "## Benchmark registry\n\n" + _registry_status(registry),
     ]
-    path = root / "report.md"
-    path.write_text("\n\n".join(sections) + "\n", encoding="utf-8")
+    path = workdir.report_file
+    write_text_atomic(path, "\n\n".join(sections) + "\n")
     return os.fspath(path)
 
 

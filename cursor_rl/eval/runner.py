@@ -1,7 +1,7 @@
 """The benchmark runner: sample a benchmark, keep every episode, summarize.
 
     summary = evaluate(runner, bench_tasks, samples=8, seed=0, bench_name="tiny_bench",
-                       out_dir=f"{workdir}/eval", stage="rl", step=step)
+                       out_dir=Workdir(workdir).eval_dir, stage="rl", step=step)
     writer.write("rl", step, eval_row(summary))         # -> WORKDIR/metrics.jsonl
     registry.record(summary)                             # -> WORKDIR/eval/registry.json
 
@@ -27,7 +27,7 @@ Choices:
    ``samples_per_task``, so a report can print "pass@1 [CI], tasks x samples" from
    the row alone.
 5. Object-store paths (``gs://``) cannot append, so there the file is rewritten
-   whole, as ``cursor_rl.train.metrics.MetricsWriter`` does.
+   whole (``cursor_rl.workdir.append_text``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from etils import epath
 
 from cursor_rl.chat.episodes import task_reward
 from cursor_rl.eval import metrics
+from cursor_rl.workdir import append_text
 
 RESULTS_FILE = "results.jsonl"
 
@@ -53,7 +54,7 @@ def evaluate(
     samples: int,
     seed: int,
     bench_name: str,
-    out_dir: str,
+    out_dir: str | os.PathLike,
     stage: str,
     step: int,
     k_values: Sequence[int] | None = None,
@@ -95,7 +96,7 @@ def evaluate(
     lines = [
         json.dumps(_episode_record(e, context, partial_credit, save_trajectories)) for e in episodes
     ]
-    _append_lines(epath.Path(out_dir) / bench_name / RESULTS_FILE, lines)
+    append_text(epath.Path(out_dir) / bench_name / RESULTS_FILE, "".join(f"{x}\n" for x in lines))
     summary = metrics.summarize(
         episodes, k_values or metrics.default_k_values(samples), partial_credit=partial_credit
     )
@@ -131,18 +132,6 @@ def _episode_record(
     if save_trajectories:
         record["trajectory"] = episode.trajectory.to_json_dict()
     return record
-
-
-def _append_lines(path: epath.Path, lines: list[str]) -> None:
-    """Appends JSON lines (choice 5: rewrites the whole object on object stores)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = "".join(line + "\n" for line in lines)
-    if "://" in os.fspath(path):
-        old = path.read_text(encoding="utf-8") if path.exists() else ""
-        path.write_text(old + text, encoding="utf-8")
-        return
-    with path.open("a", encoding="utf-8") as fh:
-        fh.write(text)
 
 
 def eval_row(summary: dict[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from etils import epath
 
 from cursor_rl import checkpoints, partitioning, stages
 from cursor_rl.chat import protocol
@@ -49,6 +50,7 @@ from cursor_rl.sampler import Sampler, weights
 from cursor_rl.tasks import records
 from cursor_rl.tasks import workdir as workdir_tasks
 from cursor_rl.train.metrics import MetricsWriter, Progress, read_metrics
+from cursor_rl.workdir import Workdir, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -65,31 +67,33 @@ BASE_VERSION = -1
 
 
 class RolloutStore:
-    """Rollout files and the sampler's cursor under ``WORKDIR/rl/rollouts``."""
+    """Rollout files and the sampler's cursor under ``WORKDIR/rl/rollouts``.
 
-    def __init__(self, workdir: str):
-        self.directory = os.path.join(workdir, "rl", "rollouts")
-        self.done_marker = os.path.join(workdir, "rl", "DONE")
-        os.makedirs(self.directory, exist_ok=True)
+    The trainer and the sampler may run on different machines: every file goes
+    through the workdir (local or ``gs://``), written whole (``write_text_atomic``),
+    so a reader never sees half of one.
+    """
 
-    def path(self, index: int) -> str:
-        return os.path.join(self.directory, f"{index:06d}.json")
+    def __init__(self, workdir: Workdir | str):
+        workdir = Workdir.of(workdir)
+        self.directory = workdir.rollouts_dir
+        self.done_marker = workdir.rl_done_file
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def path(self, index: int) -> epath.Path:
+        return self.directory / f"{index:06d}.json"
 
     def write(self, index: int, episodes: Sequence[Episode], info: dict[str, Any]) -> None:
         payload = {"index": index, **info, "episodes": [e.to_json() for e in episodes]}
-        tmp = self.path(index) + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(payload, fh)
-        os.replace(tmp, self.path(index))  # readers never see half a file
+        write_text_atomic(self.path(index), json.dumps(payload))
 
     def read(self, index: int) -> tuple[list[Episode], dict[str, Any]]:
-        with open(self.path(index), encoding="utf-8") as fh:
-            payload = json.load(fh)
+        payload = json.loads(self.path(index).read_text(encoding="utf-8"))
         episodes = [Episode.from_json(e) for e in payload.pop("episodes")]
         return episodes, payload
 
     def exists(self, index: int) -> bool:
-        return os.path.exists(self.path(index))
+        return self.path(index).exists()
 
     def cursor(self) -> int:
         """The next rollout index the sampler will write."""
@@ -101,24 +105,19 @@ class RolloutStore:
     def trained(self) -> int:
         """Rollout files the trainer has consumed (trained on or dropped)."""
         try:
-            with open(os.path.join(self.directory, "TRAINED"), encoding="utf-8") as fh:
-                return int(fh.read().strip() or 0)
+            return int((self.directory / "TRAINED").read_text(encoding="utf-8").strip() or 0)
         except FileNotFoundError:
             return 0
 
     def mark_trained(self, count: int) -> None:
-        tmp = os.path.join(self.directory, "TRAINED.tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(str(count))
-        os.replace(tmp, os.path.join(self.directory, "TRAINED"))
+        write_text_atomic(self.directory / "TRAINED", str(count))
 
     @property
     def done(self) -> bool:
-        return os.path.exists(self.done_marker)
+        return self.done_marker.exists()
 
     def mark_done(self) -> None:
-        with open(self.done_marker, "w", encoding="utf-8") as fh:
-            fh.write(str(time.time()))
+        write_text_atomic(self.done_marker, str(time.time()))
 
 
 # ---- rewards and advantages ----------------------------------------------------------
@@ -200,7 +199,7 @@ def rollout_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
 @dataclasses.dataclass
 class _Context:
     cfg: ml_collections.ConfigDict
-    workdir: str
+    workdir: Workdir
     tokenizer: Tokenizer
     chat: protocol.ChatFormat
     model_config: Any
@@ -210,10 +209,9 @@ class _Context:
     bench_dir: str
 
 
-def _context(config: ml_collections.ConfigDict, workdir: str) -> _Context:
+def _context(config: ml_collections.ConfigDict, workdir: Workdir) -> _Context:
     cfg = stages.stage_config(config, "rl")
-    tokenizer_file = os.path.join(workdir, "tokenizer", "tokenizer.json")
-    tokenizer = Tokenizer.load(cfg.tokenizer.path or tokenizer_file)
+    tokenizer = Tokenizer.load(cfg.tokenizer.path or workdir.tokenizer_file)
     model_config = stages.model_config(cfg)
     train_dir, bench_dir = task_datasets(cfg, workdir)
     return _Context(
@@ -229,7 +227,7 @@ def _context(config: ml_collections.ConfigDict, workdir: str) -> _Context:
     )
 
 
-def task_datasets(cfg, workdir: str) -> tuple[str, str]:
+def task_datasets(cfg, workdir: Workdir | str) -> tuple[str, str]:
     """The run's train and bench task datasets (``rl.tasks``), built if needed."""
     t = cfg.rl.tasks
     return workdir_tasks.ensure_datasets(
@@ -267,12 +265,11 @@ def _sampler(ctx: _Context):
 
 
 def _init_checkpoint(ctx: _Context) -> str:
-    source = ctx.cfg.train.init_from or checkpoints.latest_checkpoint(
-        checkpoints.checkpoint_dir(ctx.workdir, "sft")
-    )
+    sft_dir = ctx.workdir.checkpoint_dir("sft")
+    source = ctx.cfg.train.init_from or checkpoints.latest_checkpoint(sft_dir)
     if not source:
         raise FileNotFoundError(
-            f"RL starts from the SFT stage, but {checkpoints.checkpoint_dir(ctx.workdir, 'sft')} "
+            f"RL starts from the SFT stage, but {sft_dir} "
             "has no checkpoint; run it first or set train.init_from"
         )
     return source
@@ -298,7 +295,7 @@ class _SamplerSide:
         self.runner = RolloutRunner(
             self.sampler, ctx.chat, self.pool, _rollout_config(ctx.cfg), dataset_dir=ctx.train_dir
         )
-        self.policy_dir = os.path.join(ctx.workdir, "rl", "policy")
+        self.policy_dir = ctx.workdir.policy_dir
 
     def load_newest(self, at_least: int = 0, timeout_s: float = 3600.0) -> int:
         deadline = time.time() + timeout_s
@@ -326,7 +323,7 @@ class _SamplerSide:
     def evaluate(self, stage: str, step: int, writer: MetricsWriter) -> dict[str, Any]:
         """Held-out eval (skipped once the benchmark is retired as saturated)."""
         e = self.ctx.cfg.rl.eval
-        registry = eval_registry.Registry(eval_registry.registry_path(self.ctx.workdir))
+        registry = eval_registry.Registry(self.ctx.workdir.registry_file)
         if not registry.is_active(str(e.bench_name)):
             log.info("benchmark %s is retired (saturated): not evaluated", e.bench_name)
             return {}
@@ -344,7 +341,7 @@ class _SamplerSide:
             samples=int(e.samples),
             seed=int(e.seed),
             bench_name=str(e.bench_name),
-            out_dir=os.path.join(self.ctx.workdir, "eval"),
+            out_dir=self.ctx.workdir.eval_dir,
             stage=stage,
             step=step,
             policy_version=self.sampler.policy_version,
@@ -384,8 +381,8 @@ def _trainer(ctx: _Context) -> RLTrainer:
         ctx.model_config,
         ctx.cfg,
         init_from=_init_checkpoint(ctx),
-        state_dir=os.path.join(ctx.workdir, "rl", "checkpoints"),
-        policy_dir=os.path.join(ctx.workdir, "rl", "policy"),
+        state_dir=ctx.workdir.checkpoint_dir("rl"),
+        policy_dir=ctx.workdir.policy_dir,
         metadata=metadata,
     )
 
@@ -416,11 +413,12 @@ def _train_on(trainer: RLTrainer, ctx: _Context, store: RolloutStore, index: int
 # ---- the roles ----------------------------------------------------------------------
 
 
-def run_rl(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def run_rl(config: ml_collections.ConfigDict, workdir: Workdir | str) -> dict[str, Any]:
     """Runs the RL stage in the configured role; returns a summary for the console."""
     role = config.rl.role
     if role not in ROLES:
         raise ValueError(f"rl.role={role!r}: one of {ROLES}")
+    workdir = Workdir.of(workdir)
     ctx = _context(config, workdir)
     writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
     store = RolloutStore(workdir)

@@ -13,7 +13,6 @@ only prefills itself. ``/reset`` starts a new conversation; end of input quits.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from collections.abc import Iterable
 from typing import TextIO
@@ -23,32 +22,37 @@ from cursor_rl.chat.protocol import ChatFormat, Message, Trajectory
 from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.sampler.sampler import Sampler
 from cursor_rl.sampler.sampling import SamplingParams
-
-# Latest stage first: the checkpoint a researcher most likely wants to talk to.
-_STAGE_DIRS = (
-    os.path.join("rl", "policy"),
-    checkpoints.checkpoint_dir("", "sft"),
-    checkpoints.checkpoint_dir("", "long_context"),
-    checkpoints.checkpoint_dir("", "pretrain"),
-)
+from cursor_rl.workdir import Workdir
 
 
-def find_checkpoint(workdir: str) -> str:
+def _stage_dirs(workdir: Workdir) -> list:
+    """Where checkpoints live, latest stage first (what a researcher most likely wants)."""
+    return [
+        workdir.policy_dir,
+        workdir.checkpoint_dir("sft"),
+        workdir.checkpoint_dir("long_context"),
+        workdir.checkpoint_dir("pretrain"),
+    ]
+
+
+def find_checkpoint(workdir: Workdir | str) -> str:
     """The newest checkpoint of the latest stage in ``workdir``."""
-    for stage_dir in _STAGE_DIRS:
-        path = checkpoints.latest_checkpoint(os.path.join(workdir, stage_dir))
+    workdir = Workdir.of(workdir)
+    for stage_dir in _stage_dirs(workdir):
+        path = checkpoints.latest_checkpoint(stage_dir)
         if path is not None:
             return path
-    raise FileNotFoundError(f"no checkpoint under {workdir} (looked in {', '.join(_STAGE_DIRS)})")
+    looked = ", ".join(str(d) for d in _stage_dirs(workdir))
+    raise FileNotFoundError(f"no checkpoint under {workdir} (looked in {looked})")
 
 
-def load_sampler(checkpoint: str, workdir: str | None = None, **options) -> Sampler:
+def load_sampler(checkpoint: str, workdir: Workdir | str | None = None, **options) -> Sampler:
     """A sampler for ``checkpoint`` with a tokenizer (metadata's, else the workdir's)."""
     metadata = checkpoints.read_metadata(checkpoint)
     if "tokenizer" in metadata:
         tokenizer = Tokenizer.from_json(metadata["tokenizer"])
     elif workdir is not None:
-        tokenizer = Tokenizer.load(os.path.join(workdir, "tokenizer"))
+        tokenizer = Tokenizer.load(Workdir.of(workdir).tokenizer_file)
     else:
         raise FileNotFoundError(f"{checkpoint} has no tokenizer in its metadata; pass --workdir")
     return Sampler.from_checkpoint(checkpoint, tokenizer=tokenizer, **options)

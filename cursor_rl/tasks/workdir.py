@@ -6,6 +6,11 @@ the same generators, sandbox validation and records as any dataset. A finished
 build leaves its ``stats.json``; a directory without it (an interrupted build) is
 built again. The benchmark is decontaminated against the training tasks.
 
+Sandboxes need the datasets on local disk: with a remote (``gs://``) workdir they are
+built in the workdir's local cache and copied to the workdir, and a job that finds
+them in the workdir but not locally (a restart elsewhere) copies them back
+(``cursor_rl.workdir.Workdir.publish`` / ``fetch``).
+
 Pure Python, no JAX.
 """
 
@@ -16,6 +21,7 @@ import shutil
 from collections.abc import Callable
 
 from cursor_rl.tasks import build, records
+from cursor_rl.workdir import Workdir, is_remote
 
 
 def is_built(directory: str) -> bool:
@@ -26,7 +32,7 @@ def is_built(directory: str) -> bool:
 
 
 def ensure_datasets(
-    workdir: str,
+    workdir: Workdir | str,
     *,
     family: str = "tiny",
     train: str = "",
@@ -49,14 +55,23 @@ def ensure_datasets(
       generators: generator names (empty: all registered), e.g. one category only.
       max_per_generator: tasks per repository and generator.
       log: progress messages.
+
+    Returns:
+      The local directories of the train and bench datasets.
     """
-    train_dir = train or os.path.join(workdir, "tasks", "train")
-    bench_dir = bench or os.path.join(workdir, "tasks", "bench")
+    workdir = Workdir.of(workdir)
+    built = (build.STATS_FILE,)  # copied last: its presence says the copy is whole
+    train_dir = train or workdir.local_path(workdir.tasks_dir("train"))
+    bench_dir = bench or workdir.local_path(workdir.tasks_dir("bench"))
     for split, directory, count, given in (
         ("train", train_dir, train_count, bool(train)),
         ("bench", bench_dir, bench_count, bool(bench)),
     ):
         if given:
+            if is_remote(directory):
+                raise ValueError(
+                    f"rl.tasks.{split}={directory}: sandboxes need a local dataset directory"
+                )
             if not is_built(directory):
                 raise FileNotFoundError(
                     f"{directory} is not a task dataset (no {records.TASKS_FILE} and "
@@ -64,6 +79,10 @@ def ensure_datasets(
                 )
             continue
         if is_built(directory):
+            continue
+        shutil.rmtree(directory, ignore_errors=True)
+        if workdir.fetch(workdir.tasks_dir(split), last=built) and is_built(directory):
+            log(f"copied the {split} tasks from {workdir.tasks_dir(split)} to {directory}")
             continue
         shutil.rmtree(directory, ignore_errors=True)
         log(f"building {count} {family} {split} tasks into {directory}")
@@ -85,4 +104,5 @@ def ensure_datasets(
             ),
             log=lambda line: None,
         )
+        workdir.publish(workdir.tasks_dir(split), last=built)
     return train_dir, bench_dir

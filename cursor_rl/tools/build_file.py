@@ -27,6 +27,7 @@ _PIP = {
     "etils": "etils",
     "array_record": "array-record",
     "flax": "flax",
+    "fsspec": "fsspec",
     "grain": "grain",
     "jax": "jax",
     "jaxlib": "jax",

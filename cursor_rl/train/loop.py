@@ -11,7 +11,7 @@ One trainer runs all three stages; a stage differs only by its config
    continued pretraining, as Composer 2 continues from a released base);
 4. else a fresh initialisation (pretraining only).
 
-Checkpoints, metrics and the tokenizer live in the workdir (layout in DESIGN.md).
+Checkpoints, metrics and the tokenizer live in the workdir (``cursor_rl.workdir``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import signal
 import time
 from typing import Any
@@ -30,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from etils import epath
 from jax.experimental import multihost_utils
 
 from cursor_rl import bases, checkpoints, model, partitioning, stages
@@ -42,6 +40,7 @@ from cursor_rl.train import optimizer as optim
 from cursor_rl.train import step as step_lib
 from cursor_rl.train.metrics import MetricsWriter, Progress
 from cursor_rl.train.peak import peak_flops_per_device
+from cursor_rl.workdir import Workdir, write_text_atomic
 
 # Fields of the config's ``data`` section that the trainer consumes itself; the rest
 # goes to ``pipeline.DataConfig``.
@@ -130,43 +129,30 @@ def validate_stage_config(cfg: ml_collections.ConfigDict, num_devices: int) -> M
 # ---- pieces ---------------------------------------------------------------------
 
 
-def tokenizer_dir(workdir: str) -> str:
-    return os.path.join(workdir, "tokenizer")
-
-
-def ensure_tokenizer(cfg: ml_collections.ConfigDict, workdir: str) -> Tokenizer:
+def ensure_tokenizer(cfg: ml_collections.ConfigDict, workdir: Workdir | str) -> Tokenizer:
     """The run's tokenizer: ``tokenizer.path``, else the workdir's, else trained now.
 
     Process 0 trains and saves; the others wait for it and load the same file.
     """
-    # epath rather than os/Tokenizer.save: the workdir may be on gs://.
-    file = epath.Path(tokenizer_dir(workdir)) / "tokenizer.json"
+    file = Workdir.of(workdir).tokenizer_file  # local or gs://: epath, not Tokenizer.save
     base = bases.resolve(cfg.get("init_from", ""))
     path = cfg.tokenizer.path or (bases.tokenizer_file(base) if base else "")
     if path:
         tokenizer = Tokenizer.load(path)
         if jax.process_index() == 0 and not file.exists():
-            _save_tokenizer(tokenizer, file)
+            write_text_atomic(file, tokenizer.to_json())
         return tokenizer
     if jax.process_index() == 0 and not file.exists():
         data_config = data_config_of(cfg)
         start = time.time()
         tokenizer = pipeline.train_tokenizer(data_config, cfg.tokenizer.vocab_size, seed=cfg.seed)
-        _save_tokenizer(tokenizer, file)
+        write_text_atomic(file, tokenizer.to_json())
         log.info(
             "trained tokenizer (%d tokens) in %.1fs", tokenizer.vocab_size, time.time() - start
         )
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("tokenizer")
     return Tokenizer.from_json(file.read_text(encoding="utf-8"))
-
-
-def _save_tokenizer(tokenizer: Tokenizer, file: epath.Path) -> None:
-    """Writes then renames, so a reader never sees half a file."""
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.parent / (file.name + ".tmp")
-    tmp.write_text(tokenizer.to_json(), encoding="utf-8")
-    tmp.replace(file)
 
 
 def data_config_of(cfg: ml_collections.ConfigDict) -> pipeline.DataConfig:
@@ -248,9 +234,10 @@ def _previous_stage(stage: str) -> str | None:
 # ---- the loop -------------------------------------------------------------------
 
 
-def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> StageResult:
+def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: Workdir | str) -> StageResult:
     """Trains one stage to ``train.num_steps`` (resuming if it has checkpoints)."""
     wall_start = time.time()
+    workdir = Workdir.of(workdir)
     cfg = stages.stage_config(config, stage)
     model_config = validate_stage_config(cfg, jax.device_count())
     mesh = partitioning.make_mesh(cfg.mesh.ici.to_dict(), cfg.mesh.dcn.to_dict())
@@ -272,7 +259,7 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> St
 
     train_iter = iter(make_data(cfg, tokenizer, "train", seed=cfg.seed))
     manager = checkpoints.CheckpointManager(
-        checkpoints.checkpoint_dir(workdir, stage),
+        workdir.checkpoint_dir(stage),
         keep_last=cfg.checkpoint.keep_last,
         keep_every=cfg.checkpoint.keep_every,
         async_save=cfg.checkpoint.async_save,
@@ -305,7 +292,7 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: str) -> St
             source = cfg.train.init_from
             previous = _previous_stage(stage)
             if not source and previous is not None:
-                previous_dir = checkpoints.checkpoint_dir(workdir, previous)
+                previous_dir = workdir.checkpoint_dir(previous)
                 source = checkpoints.latest_checkpoint(previous_dir)
                 if source is None:
                     raise FileNotFoundError(
@@ -491,18 +478,19 @@ def _install_sigterm_handler():
     return (lambda: received["flag"]), restore
 
 
-def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+def write_config(config: ml_collections.ConfigDict, workdir: Workdir | str) -> None:
     """Writes ``WORKDIR/config.json`` (process 0), creating the workdir."""
-    root = epath.Path(workdir)  # a local directory or gs://
-    root.mkdir(parents=True, exist_ok=True)
+    workdir = Workdir.of(workdir)
+    workdir.root.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
-        (root / "config.json").write_text(config.to_json_best_effort(indent=2), encoding="utf-8")
+        write_text_atomic(workdir.config_file, config.to_json_best_effort(indent=2))
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> list[StageResult]:
+def run(config: ml_collections.ConfigDict, workdir: Workdir | str) -> list[StageResult]:
     """Runs ``config.stage``: one next-token stage, or (``all``) the three in order."""
     to_run = stages.TRAIN_STAGES if config.stage == "all" else (config.stage,)
     if config.stage != "all" and config.stage not in stages.TRAIN_STAGES:
         raise ValueError(f"stage={config.stage!r} is not one of {stages.TRAIN_STAGES}")
+    workdir = Workdir.of(workdir)
     write_config(config, workdir)
     return [run_stage(config, stage, workdir) for stage in to_run]

@@ -17,6 +17,8 @@ from typing import Any
 
 from etils import epath
 
+from cursor_rl.workdir import REMOTE_SCHEMES, Workdir
+
 
 def _plain(value: Any) -> Any:
     """JSON-friendly scalar (numpy/jax scalars -> float/int; NaN/inf -> null)."""
@@ -30,16 +32,19 @@ def _plain(value: Any) -> Any:
 class MetricsWriter:
     """Appends metric rows to metrics.jsonl and TensorBoard (process 0 only)."""
 
-    def __init__(self, workdir: str, *, enabled: bool = True):
+    def __init__(self, workdir: Workdir | str, *, enabled: bool = True):
+        workdir = Workdir.of(workdir)
         self.enabled = enabled
         self._tb = None
-        self._path = epath.Path(workdir) / "metrics.jsonl"
-        self._tb_dir = os.path.join(workdir, "tensorboard")  # tensorboardX writes gs:// itself
-        # Object stores (gs://) cannot append: there the file is rewritten whole.
+        self._path = workdir.metrics_file
+        self._tb_dir = os.fspath(workdir.tensorboard_dir)
+        # Object stores (gs://) cannot append: there the file is rewritten whole, from
+        # the rows kept here (read once, not before every write).
         self._rewrite: list[str] | None = None
         if enabled:
-            epath.Path(workdir).mkdir(parents=True, exist_ok=True)
-            if "://" in os.fspath(workdir):
+            workdir.root.mkdir(parents=True, exist_ok=True)
+            if workdir.is_remote:
+                _register_remote_event_files()
                 old = self._path.read_text(encoding="utf-8") if self._path.exists() else ""
                 self._rewrite = old.splitlines(keepends=True)
 
@@ -70,9 +75,9 @@ class MetricsWriter:
             self._tb = None
 
 
-def read_metrics(workdir: str) -> list[dict[str, Any]]:
+def read_metrics(workdir: Workdir | str) -> list[dict[str, Any]]:
     """All rows of ``WORKDIR/metrics.jsonl`` (skipping a torn last line)."""
-    path = epath.Path(workdir) / "metrics.jsonl"
+    path = Workdir.of(workdir).metrics_file
     rows = []
     if not path.exists():
         return rows
@@ -83,6 +88,50 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return rows
+
+
+class _EventFile:
+    """A TensorBoard event file on an object store, written through epath.
+
+    An object cannot be appended to: the bytes so far are kept and the object is
+    rewritten whole at each flush (tensorboardX flushes every ``flush_secs``).
+    """
+
+    def __init__(self, path: str):
+        self._path = epath.Path(path)
+        self._data = bytearray()
+        self._written = 0
+
+    def write(self, data: bytes) -> None:
+        self._data += data
+
+    def flush(self) -> None:
+        if len(self._data) != self._written:
+            self._path.write_bytes(bytes(self._data))
+            self._written = len(self._data)
+
+    def close(self) -> None:
+        self.flush()
+
+
+class _EventFiles:
+    """tensorboardX's writer factory for URL paths: event files go through epath."""
+
+    def open(self, path: str) -> _EventFile:
+        return _EventFile(path)
+
+    def directory_check(self, path: str) -> None:
+        epath.Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def _register_remote_event_files() -> None:
+    """Routes tensorboardX's ``gs://`` event files through epath, like every other file
+    of the run (one client and one set of credentials; tensorboardX's own GCS writer
+    would need google-cloud-storage credentials of its own)."""
+    from tensorboardX import record_writer
+
+    for scheme in REMOTE_SCHEMES:
+        record_writer.register_writer_factory(scheme, _EventFiles())
 
 
 class Progress:
