@@ -15,6 +15,7 @@ from configs.tiny import MODEL
 from cursor_rl import bases, model
 from cursor_rl.model import hf
 from cursor_rl.train import copy_probe, loop, metrics
+from cursor_rl.workdir import Workdir
 from tests.train_helpers import MICRO_MODEL, micro_config
 
 # A small sample of the probe the trainer logs (spans of 64-120 repeated at once).
@@ -98,7 +99,7 @@ def test_first_stage_starts_from_the_base(tmp_path):
     cfg.optimizer.learning_rate = 1e-6  # one AdamW step moves a weight by about 1e-6
     loop.run_stage(cfg, "pretrain", workdir)
     restored = loop.checkpoints.restore_variables(
-        loop.checkpoints.latest_checkpoint(loop.checkpoints.checkpoint_dir(workdir, "pretrain")),
+        loop.checkpoints.latest_checkpoint(Workdir(workdir).checkpoint_dir("pretrain")),
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), variables),
     )
     fresh = model.init(MICRO_MODEL, jax.random.key(cfg.seed))  # what no base would give

@@ -172,7 +172,7 @@ def rl_workdir(tmp_path, tokenizer, variables):
         checkpoints.make_metadata(MODEL, stage="sft", step=1, tokenizer_json=tokenizer.to_json()),
     )
     checkpoints.save_variables(
-        checkpoints.checkpoint_dir(workdir, "long_context"),
+        Workdir(workdir).checkpoint_dir("long_context"),
         jax.device_get(variables),
         checkpoints.make_metadata(
             MODEL, stage="long_context", step=3, tokenizer_json=tokenizer.to_json()

@@ -356,9 +356,7 @@ class _SamplerSide:
         """Held-out eval of the model before SFT (``BASE_STAGE``'s checkpoint), stage
         ``base``, at that checkpoint's step: the baseline the SFT and RL evals are read
         against. Skipped with a log line when the run has no such checkpoint."""
-        path = checkpoints.latest_checkpoint(
-            checkpoints.checkpoint_dir(self.ctx.workdir, BASE_STAGE)
-        )
+        path = checkpoints.latest_checkpoint(self.ctx.workdir.checkpoint_dir(BASE_STAGE))
         if path is None:
             log.info(
                 "no %s checkpoint in %s: the base model is not evaluated",
