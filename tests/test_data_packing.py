@@ -5,8 +5,8 @@ import grain
 import numpy as np
 import pytest
 
+from cursor_rl.chat import protocol
 from cursor_rl.data import packing
-from cursor_rl.env import protocol
 from cursor_rl.rl.rollout import Episode
 from cursor_rl.rl.trainer import build_batch
 

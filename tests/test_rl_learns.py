@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from cursor_rl import checkpoints, config_lib, model
-from cursor_rl.env import protocol
+from cursor_rl.chat import protocol
 from cursor_rl.rl import rewards
 from cursor_rl.rl.loop import score_groups
 from cursor_rl.rl.rollout import Episode
