@@ -31,6 +31,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import grain
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
@@ -59,8 +60,6 @@ def _abstract(tree, shardings=None):
 
 
 def _handlers():
-    import grain
-
     return {
         PARAMS: ocp.StandardCheckpointHandler(),
         TRAIN: ocp.StandardCheckpointHandler(),
@@ -105,8 +104,6 @@ class CheckpointManager:
         metadata: Mapping[str, Any] | None = None,
     ) -> None:
         """Starts saving checkpoint ``step`` (returns before the write ends when async)."""
-        import grain
-
         items = {PARAMS: ocp.args.StandardSave(dict(variables))}
         if train_state is not None:
             items[TRAIN] = ocp.args.StandardSave(dict(train_state))
@@ -173,8 +170,6 @@ class CheckpointManager:
         )
 
     def _restore_step(self, step, variables_target, train_target, data_iterator):
-        import grain
-
         items = {
             PARAMS: ocp.args.StandardRestore(_abstract(variables_target)),
             METADATA: ocp.args.JsonRestore(),

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "context", "expert", "tensor")
@@ -173,14 +174,10 @@ def make_mesh(
     ici_sizes = resolve_mesh_shape(ici or {"data": -1}, len(devices) // num_slices)
     ici_shape = [ici_sizes[a] for a in MESH_AXES]
     if num_slices > 1:
-        from jax.experimental import mesh_utils
-
         device_array = mesh_utils.create_hybrid_device_mesh(
             ici_shape, [dcn_sizes[a] for a in MESH_AXES], devices=devices
         )
     elif devices[0].platform in ("tpu", "gpu") and len(devices) == len(jax.devices()):
-        from jax.experimental import mesh_utils
-
         device_array = mesh_utils.create_device_mesh(ici_shape, devices=devices)
     else:
         device_array = np.asarray(devices, dtype=object).reshape(ici_shape)

@@ -11,6 +11,7 @@ import time
 
 import jax
 import ml_collections
+from jax.experimental import multihost_utils
 
 from cursor_rl import bases, stages
 from cursor_rl.eval import report
@@ -93,8 +94,6 @@ def prepare_sft_data(
             flush=True,
         )
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices("sft_data")
         if not workdir.fetch(workdir.sft_demos_file):
             raise FileNotFoundError(f"process 0 wrote no SFT demonstrations at {path}")

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from absl import app, flags
+from array_record.python.array_record_module import ArrayRecordWriter
 
 from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.data import pipeline, sources
@@ -73,8 +74,6 @@ def prepare_corpus(
     Returns:
       The stats dict written to ``out_dir/stats.json``.
     """
-    from array_record.python.array_record_module import ArrayRecordWriter
-
     if num_shards < 1:
         raise ValueError(f"--num_shards={num_shards} must be >= 1")
     start = time.time()

@@ -48,6 +48,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from absl import app, flags
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from cursor_rl.eval import registry as registry_lib
 from cursor_rl.train.metrics import read_metrics
@@ -445,10 +448,6 @@ def _registry_status(registry: registry_lib.Registry) -> str:
 
 
 def _figure(panels: int):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
     figure = Figure(figsize=(4.5 * panels, 3.6), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(1, panels, squeeze=False)[0]

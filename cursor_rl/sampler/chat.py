@@ -17,6 +17,8 @@ import sys
 from collections.abc import Iterable
 from typing import TextIO
 
+from absl import app, flags
+
 from cursor_rl import checkpoints
 from cursor_rl.chat.protocol import ChatFormat, Message, Trajectory
 from cursor_rl.chat.tokenizer import Tokenizer
@@ -117,8 +119,6 @@ def _stream(sampler: Sampler, session, out: TextIO):
 
 
 def main(argv=None) -> None:
-    from absl import app, flags
-
     flags.DEFINE_string("workdir", None, "A run's workdir: talk to its latest checkpoint.")
     flags.DEFINE_string("checkpoint", None, "A checkpoint step directory (overrides workdir).")
     flags.DEFINE_string("system", None, "An optional system prompt.")

@@ -51,12 +51,15 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import traceback
 import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from absl import flags
 
 from cursor_rl.env.harness import AgentEpisode
 from cursor_rl.env.sandbox import Limits, Sandbox, unavailable_reason
@@ -219,8 +222,6 @@ def host_pip_options() -> tuple[list[str], list[str], list[str]]:
 
 def _reachable(hosts: Sequence[str]) -> list[str]:
     """The hosts that resolve (the sandbox resolves its allow-list up front)."""
-    import socket
-
     found = []
     for entry in hosts:
         host, _, port = entry.rpartition(":")
@@ -614,8 +615,6 @@ def _agent_recipe(path: str) -> tuple[buildfiles.Discovery, list[str]] | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m cursor_rl.tasks.autoinstall --out=DIR PATH...``: install and report."""
-    from absl import flags
-
     fv = flags.FlagValues()
     flags.DEFINE_string("out", None, "Where environments, recipes and logs go.", flag_values=fv)
     rest = fv(list(argv if argv is not None else sys.argv))[1:]

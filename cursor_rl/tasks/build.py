@@ -43,6 +43,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
+from absl import flags
+
 from cursor_rl.data import splits
 from cursor_rl.tasks import (
     autoinstall,
@@ -505,8 +507,6 @@ def _split_list(value: str | None) -> tuple[str, ...]:
 
 def main(argv: Iterable[str] | None = None) -> int:
     """Command-line entry point (flags as in the module docstring)."""
-    from absl import flags
-
     fv = flags.FlagValues()
     flags.DEFINE_string(
         "source", None, "stdlib, tiny, a repository path or sdist:NAME", flag_values=fv

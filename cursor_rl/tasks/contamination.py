@@ -39,6 +39,9 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from absl import flags
+from array_record.python.array_record_module import ArrayRecordReader
+
 from cursor_rl.data import sources as data_sources
 from cursor_rl.data import splits
 from cursor_rl.tasks import records
@@ -209,8 +212,6 @@ def corpus_documents(spec: str) -> Iterator[tuple[str, str]]:
     ``stdlib`` excludes ``splits.BENCH_MODULES``, as the pretraining corpus does.
     """
     if spec.startswith("array_record:"):
-        from array_record.python.array_record_module import ArrayRecordReader
-
         for path in sorted(p for g in spec.split(":", 1)[1].split(",") for p in glob.glob(g)):
             reader = ArrayRecordReader(path)
             try:
@@ -281,8 +282,6 @@ def format_report(report: dict[str, Any], top: int = 10) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point (see the module docstring)."""
-    from absl import flags
-
     fv = flags.FlagValues()
     flags.DEFINE_string("bench", None, "Benchmark dataset (directory or JSONL).", flag_values=fv)
     flags.DEFINE_list("train", [], "Training datasets to compare with.", flag_values=fv)

@@ -24,6 +24,7 @@ import jax
 import ml_collections
 import numpy as np
 from absl import app, flags
+from jax.experimental import topologies
 from ml_collections import config_flags
 
 from cursor_rl import partitioning, stages
@@ -108,8 +109,6 @@ def topology_devices(topology: str) -> list:
     # Compile-only use: several AOT processes (a sweep's pre-submit checks) may load
     # libtpu at once, which its lockfile would otherwise refuse.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from jax.experimental import topologies
-
     try:
         return list(topologies.get_topology_desc(topology, "tpu").devices)
     except Exception as e:  # libtpu missing or an unknown topology name

@@ -61,6 +61,7 @@ class MetricsWriter:
             self._rewrite.append(line)
             self._path.write_text("".join(self._rewrite), encoding="utf-8")
         if self._tb is None:
+            # Only writers pay for it (~2 s: protobuf); readers of metrics.jsonl do not.
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(self._tb_dir, flush_secs=30)
