@@ -17,8 +17,8 @@ experts top-8 + 1 shared, first_k_dense 1, moe_intermediate 2048, intermediate
 18432, vocab 163840, rope_theta 50000, YaRN factor 64 over 4096 (256K context),
 routed_scaling_factor 2.827, a single expert group.
 
-Hardware: a TPU v5p pod slice (see README for the smallest topology that fits and
-the per-chip memory breakdown measured by the AOT tool).
+Hardware: a TPU v5p pod slice (see docs/scale.md for the smallest topology that fits
+and the per-chip memory breakdown measured by the AOT tool).
 """
 
 from cursor_rl import config_lib

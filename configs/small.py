@@ -3,7 +3,7 @@
 What for: real-data experiments on one TPU v5p-8 / v4-8 host or one 8-GPU host,
 and the sampler/RL loop at a size where they behave like the large model.
 
-Command (on the host; see README "Running at scale"):
+Command (on the host; see launch/README.md):
     python -m cursor_rl.main --config=configs/small.py --workdir=gs://BUCKET/small
 
 Hardware: 8 chips with >= 32 GB each (bf16 compute, fp32 params and Adam state

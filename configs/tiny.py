@@ -14,12 +14,12 @@ the real CPU device). Model: 7.4M parameters (3.9M active), hidden 256, 4 layers
 (1 dense + 3 MoE with 8 routed experts top-2 and 1 shared), MLA with a 64-wide KV
 latent, vocabulary 2048 (byte-level BPE trained on the corpus).
 
-Expected result (measured on 2 quiet CPU cores, see README "Figures"): the three
-training stages take ~8 minutes with held-out loss falling in each (pretrain 7.69 ->
-4.74, long-context 4.68 -> 4.58, SFT 5.45 -> 0.46), the whole pipeline ~13 minutes;
-the SFT model uses the tool-call format but does not yet solve held-out tiny tasks
-(pass@1 0): at this budget it has not learned to copy names from its context, so the
-RL steps here show the loop running, not learning.
+Expected result (measured on 2 quiet CPU cores from random weights, before the
+shipped base; docs/learning.md section 2): the three training stages took ~8 minutes
+with held-out loss falling in each (pretrain 7.69 -> 4.74, long-context 4.68 -> 4.58,
+SFT 5.45 -> 0.46), the whole pipeline ~13 minutes; the SFT model used the tool-call
+format but did not solve held-out tiny tasks (pass@1 0): it had not learned to copy
+names from its context, so the RL steps showed the loop running, not learning.
 """
 
 from cursor_rl import config_lib
