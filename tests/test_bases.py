@@ -22,6 +22,7 @@ from tests.train_helpers import MICRO_MODEL, micro_config
 SAMPLE = {**copy_probe.TRAINING_PROBE, "rows": 4}
 
 
+@pytest.mark.slow
 def test_builtin_base_copies_and_a_random_model_does_not():
     path = bases.resolve("tiny")
     bases.verify(path, MODEL)
@@ -88,6 +89,7 @@ def _micro_base(tmp_path):
     return path, variables
 
 
+@pytest.mark.slow
 def test_first_stage_starts_from_the_base(tmp_path):
     path, variables = _micro_base(tmp_path)
     cfg = micro_config(num_steps=1)
@@ -115,6 +117,7 @@ def test_first_stage_starts_from_the_base(tmp_path):
     assert any(row["stage"] == "pretrain" for row in metrics.read_metrics(workdir))
 
 
+@pytest.mark.slow
 def test_a_damaged_base_stops_the_run_before_training(tmp_path):
     path, _ = _micro_base(tmp_path)
     with open(os.path.join(path, "tokenizer.json"), "w") as f:

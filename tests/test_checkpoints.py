@@ -39,6 +39,7 @@ def _save_steps(directory, steps, **kw):
     return variables
 
 
+@pytest.mark.slow
 def test_round_trip_and_metadata(tmp_path):
     variables = _save_steps(str(tmp_path), [3])
     manager = checkpoints.CheckpointManager(str(tmp_path))
@@ -51,6 +52,7 @@ def test_round_trip_and_metadata(tmp_path):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (emulated) devices")
+@pytest.mark.slow
 def test_params_only_restore_reshards_into_another_mesh(tmp_path):
     variables = _variables()
     mesh_a = partitioning.make_mesh({"data": 8})
@@ -77,6 +79,7 @@ def _corrupt(step_dir):
             fh.write(b"\x00garbage")
 
 
+@pytest.mark.slow
 def test_corrupt_latest_falls_back_to_previous(tmp_path):
     variables = _save_steps(str(tmp_path), [2, 4])
     _corrupt(os.path.join(tmp_path, "4"))
@@ -87,6 +90,7 @@ def test_corrupt_latest_falls_back_to_previous(tmp_path):
     np.testing.assert_array_equal(leaf, np.asarray(jax.tree.leaves(variables)[0]) + 2)
 
 
+@pytest.mark.slow
 def test_corrupt_latest_is_a_clear_error_without_fallback(tmp_path):
     _save_steps(str(tmp_path), [2, 4])
     _corrupt(os.path.join(tmp_path, "4"))
@@ -95,6 +99,7 @@ def test_corrupt_latest_is_a_clear_error_without_fallback(tmp_path):
         manager.restore(_target())
 
 
+@pytest.mark.slow
 def test_half_written_checkpoint_is_never_used(tmp_path):
     _save_steps(str(tmp_path), [2])
     # What an interrupted Orbax save leaves behind: a temporary directory.

@@ -67,6 +67,7 @@ def test_bad_row_settings_are_refused():
     assert drawn.min() >= 40 and drawn.max() < 50
 
 
+@pytest.mark.slow
 def test_a_saved_checkpoint_scores_as_its_variables(tmp_path):
     variables = model.init(CONFIG, jax.random.key(0))
     direct = probes.copy_score(CONFIG, variables, rows=2, seq_len=64, max_len=20)

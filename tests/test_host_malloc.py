@@ -80,6 +80,7 @@ def _probe(mode):
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's")
+@pytest.mark.slow
 def test_settings_stop_xla_refaulting_its_temporaries_every_call():
     """Without the settings each call first-touches its temporaries again (a fault per
     4 KiB page); with them the freed block is reused and the faults all but vanish."""

@@ -119,6 +119,7 @@ def _bash(*args, **env):
     )
 
 
+@pytest.mark.slow
 def test_tpu_run_compiles_first_then_starts_the_same_command_on_every_worker(tmp_path):
     """run_tpu.sh run: the real pre-submit compile (on the CPU topology), then the ssh line."""
     config_file = tmp_path / "micro.py"

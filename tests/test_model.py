@@ -108,6 +108,7 @@ def test_bias_only_changes_choice_not_weights():
 
 
 @pytest.mark.parametrize("impl", ["ragged", "blocked"])
+@pytest.mark.slow
 def test_dropless_dispatch_equals_dense(variables, impl):
     tokens = _tokens()
     dense = forward(TINY.replace(moe_impl="dense"), variables, tokens)
@@ -135,6 +136,7 @@ def test_blocked_dispatch_handles_empty_and_uneven_groups():
     np.testing.assert_array_equal(np.asarray(blocked[19:]), 0)
 
 
+@pytest.mark.slow
 def test_packed_segments_equal_separate_sequences(variables):
     a, b = _tokens(1, 7, seed=4), _tokens(1, 5, seed=5)
     packed = jnp.concatenate([a, b], axis=1)
@@ -183,6 +185,7 @@ def test_balance_loss_is_minimal_for_uniform_routing():
     assert float(collapsed_peaked) > 2.0
 
 
+@pytest.mark.slow
 def test_aux_loss_coef_enables_balance_loss(variables):
     tokens = _tokens()
     _, off = forward_with_aux(TINY, variables, tokens)
@@ -191,6 +194,7 @@ def test_aux_loss_coef_enables_balance_loss(variables):
     assert float(on["balance_loss"]) > 0.0
 
 
+@pytest.mark.slow
 def test_scanned_and_unscanned_layouts_agree(variables):
     tokens = _tokens()
     unscanned = {k: model.unstack_layers(v) for k, v in variables.items()}
@@ -202,6 +206,7 @@ def test_scanned_and_unscanned_layouts_agree(variables):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_remat_does_not_change_values_or_grads(variables):
     tokens = _tokens()
 
@@ -214,6 +219,7 @@ def test_remat_does_not_change_values_or_grads(variables):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_param_count_matches_variables():
     for config in (TINY, TINY.replace(q_lora_rank=24, first_k_dense=0, tie_word_embeddings=True)):
         v = model.init(config, jax.random.key(0))
@@ -246,6 +252,7 @@ def test_from_dict_rejects_unknown_fields():
         ModelConfig.from_dict({"hidden_sise": 3})
 
 
+@pytest.mark.slow
 def test_chunked_attention_equals_dot(variables):
     tokens = _tokens(2, 16)
     segment_ids = jnp.asarray([[1] * 10 + [2] * 6, [1] * 16])
@@ -330,6 +337,7 @@ def test_attention_equals_two_part_score_reference():
         np.testing.assert_allclose(a, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bf16_attention_sums_the_shared_rope_key_gradient_in_float32():
     """Under bf16 compute the rope key's gradient is a sum over all heads of the
     broadcast key's gradient; summed in bf16 its error roughly doubles (RMS 8.4e-3

@@ -57,6 +57,7 @@ def reference():
 @needs_8
 @pytest.mark.parametrize("impl", ["blocked", "ragged"])
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+@pytest.mark.slow
 def test_sharded_forward_and_grads_match(reference, shape, impl):
     variables, tokens, ref_loss, ref_load, ref_grads = reference
     config = CONFIG.replace(moe_impl=impl)
@@ -86,6 +87,7 @@ def test_sharded_forward_and_grads_match(reference, shape, impl):
 
 
 @needs_8
+@pytest.mark.slow
 def test_init_directly_sharded_equals_host_init():
     mesh = partitioning.make_mesh({"fsdp": 2, "expert": 4})
     sharded = model.init(CONFIG, jax.random.key(0), mesh)
@@ -122,6 +124,7 @@ def test_rule_overrides_and_presets():
 
 
 @needs_8
+@pytest.mark.slow
 def test_expert_capacity_bounds_buffers_and_counts_drops(reference):
     variables, tokens, _, _, _ = reference
     mesh = partitioning.make_mesh({"expert": 4, "data": 2})

@@ -128,6 +128,7 @@ def _setup(microbatches=1, **optimizer_overrides):
     return state, logprobs, fn
 
 
+@pytest.mark.slow
 def test_grpo_step_on_policy_and_masked_tokens_have_no_effect():
     state, logprobs, fn = _setup()
     batch = _rl_batch()
@@ -153,6 +154,7 @@ def test_grpo_step_on_policy_and_masked_tokens_have_no_effect():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_grpo_microbatches_equal_one_batch():
     # Adam's eps at 1 keeps its update about linear in the gradient: with the default
     # 1e-8, a weight whose gradient is rounding noise gets an update of about +-lr
@@ -175,6 +177,7 @@ def test_grpo_microbatches_equal_one_batch():
     assert moved > 1e-5  # the step did move the weights (the comparison is not vacuous)
 
 
+@pytest.mark.slow
 def test_positive_advantage_raises_the_episode_likelihood():
     state, logprobs, fn = _setup()
     batch = _rl_batch(seed=5)

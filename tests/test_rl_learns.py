@@ -120,6 +120,7 @@ def _run(init_checkpoint, tmp_path, advantage_sign: float) -> tuple[list[float],
     return expected, sampled
 
 
+@pytest.mark.slow
 def test_grpo_raises_the_bandit_reward_from_chance(init_checkpoint, tmp_path):
     """Expected reward (the policy's probability of the targets) from chance to >= 0.8
     in STEPS rollout batches; the sampled rewards of the last batches agree."""
@@ -129,6 +130,7 @@ def test_grpo_raises_the_bandit_reward_from_chance(init_checkpoint, tmp_path):
     assert np.mean(sampled[-5:]) >= 0.8
 
 
+@pytest.mark.slow
 def test_flipped_advantages_do_not_learn(init_checkpoint, tmp_path):
     """The same run with every advantage negated before it reaches the trainer."""
     expected, sampled = _run(init_checkpoint, tmp_path, advantage_sign=-1.0)

@@ -111,6 +111,7 @@ def test_score_groups_counts_self_summarised_episodes(tokenizer):
     assert metrics["summarised_episodes"] == 0 and "summarised_reward" not in metrics
 
 
+@pytest.mark.slow
 def test_sampler_logprobs_are_the_trainers_on_policy(tokenizer, variables):
     """Sampled turns appended to a trajectory, packed by ``build_batch`` and scored by
     the trainer's ``logprobs_step``: the trainer's log p of every model token equals
@@ -196,6 +197,7 @@ def _tail(path):
         return fh.read()[-3000:]
 
 
+@pytest.mark.slow
 def test_trainer_and_sampler_as_two_processes(rl_workdir, tmp_path):
     """Two programs, one bridge: the sampler process writes rollout files tagged with
     policy versions and evaluates; the trainer process trains on them and publishes

@@ -106,6 +106,7 @@ def _check_against_forward(variables, prompt, completion, temperature=0.0):
     )
 
 
+@pytest.mark.slow
 def test_forward_cached_chunks_equal_full_forward(variables):
     """Model level: chunked prefill then decode through the pages == one full forward."""
     tokens = np.asarray(jax.random.randint(jax.random.key(2), (2, 13), 0, CONFIG.vocab_size))
@@ -149,6 +150,7 @@ def test_cache_bytes_per_token():
     assert sizes["naive_per_head_kv"] == 2 * 4 * (8 + 4 + 8) * 4
 
 
+@pytest.mark.slow
 def test_greedy_equals_full_forward(sampler, variables):
     completions = sampler.generate(PROMPTS, SamplingParams(max_new_tokens=20))
     for prompt, completion in zip(PROMPTS, completions):
@@ -157,6 +159,7 @@ def test_greedy_equals_full_forward(sampler, variables):
         _check_against_forward(variables, prompt, completion)
 
 
+@pytest.mark.slow
 def test_mixed_lengths_equal_rows_alone(sampler):
     params = SamplingParams(max_new_tokens=9, temperature=0.8, seed=4)
     together = [sampler.open(p, seed=10 + i) for i, p in enumerate(PROMPTS)]
@@ -171,6 +174,7 @@ def test_mixed_lengths_equal_rows_alone(sampler):
         sampler.close(session)
 
 
+@pytest.mark.slow
 def test_temperature_logprobs_are_the_sampled_distribution(sampler, variables):
     """At temperature T the log-prob is log_softmax(logits / T) at the drawn token."""
     completions = sampler.generate(PROMPTS[:2], SamplingParams(12, temperature=0.7, seed=1))
@@ -241,6 +245,7 @@ def test_stop_ids_strings_and_budgets(sampler):
     assert first_stop.tokens == free.tokens[:1] and first_stop.finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_context_limit(sampler):
     prompt = list(range(1, 61))  # 60 of the 64 positions
     (c,) = sampler.generate([prompt], SamplingParams(max_new_tokens=20))
@@ -276,6 +281,7 @@ def test_paused_sessions_keep_cache_without_a_slot(sampler):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (emulated) devices")
+@pytest.mark.slow
 def test_sharded_sampler_equals_unsharded(sampler, variables):
     mesh = partitioning.make_mesh({"data": 2, "expert": 2, "tensor": 2})
     sharded = Sampler(CONFIG, variables, mesh=mesh, **SHARDED_OPTIONS)

@@ -75,6 +75,7 @@ def test_refuses_a_checkpoint_of_another_shape(tmp_path):
         sampler.load_checkpoint(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_policy_versions_swap_between_turns(tmp_path):
     policy_dir = str(tmp_path / "policy")
     v1 = random_variables(CONFIG, seed=1)
@@ -106,6 +107,7 @@ def test_policy_versions_swap_between_turns(tmp_path):
     assert after.policy_version == 2 and after.tokens == fresh.tokens
 
 
+@pytest.mark.slow
 def test_chat_streams_replies_in_the_chat_format(tmp_path, tokenizer):
     variables = random_variables(CONFIG, seed=2)
     path = checkpoints.save_variables(str(tmp_path / "sft"), variables, _metadata(3, tokenizer))
@@ -126,6 +128,7 @@ def test_chat_streams_replies_in_the_chat_format(tmp_path, tokenizer):
     assert out.getvalue() == "".join(reply + "\n" for reply in replies)
 
 
+@pytest.mark.slow
 def test_chat_command_has_a_pulse(tmp_path, tokenizer):
     variables = random_variables(CONFIG, seed=3)
     workdir = tmp_path / "run"
@@ -143,6 +146,7 @@ def test_chat_command_has_a_pulse(tmp_path, tokenizer):
 
 
 @pytest.mark.hf
+@pytest.mark.slow
 def test_greedy_equals_transformers_generate(tmp_path):
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM

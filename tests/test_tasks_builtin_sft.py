@@ -99,6 +99,7 @@ def tiny_tasks(tmp_path_factory):
     return str(out), builtin_sft.build_tiny_tasks(str(out), 3, per_module=3)
 
 
+@pytest.mark.slow
 def test_scripted_episode_runs_the_real_tools_and_resolves(tiny_tasks):
     dataset_dir, tasks = tiny_tasks
     chat = protocol.ChatFormat(builtin_sft.harness_tokenizer())
@@ -115,6 +116,7 @@ def test_scripted_episode_runs_the_real_tools_and_resolves(tiny_tasks):
         builtin_sft.run_demonstration(bench, chat, dataset_dir=dataset_dir)
 
 
+@pytest.mark.slow
 def test_demonstrations_round_trip_through_jsonl(tiny_tasks, tmp_path):
     dataset_dir, tasks = tiny_tasks
     chat = protocol.ChatFormat(builtin_sft.harness_tokenizer())

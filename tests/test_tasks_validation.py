@@ -100,6 +100,7 @@ def test_tests_that_ignore_the_code_reject_the_repository():
 
 
 @needs_sandbox
+@pytest.mark.slow
 def test_fixture_candidates_validate_in_the_sandbox():
     repo = shapes_repo()
     v = validation.RepoValidator(repo)

@@ -135,6 +135,7 @@ def test_sigterm_flag_is_only_installed_while_a_stage_trains():
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (emulated) devices")
+@pytest.mark.slow
 def test_resume_on_a_different_mesh(tmp_path):
     """4 steps, then resume to 6: on the same mesh vs on another one (fsdp x expert)."""
 

@@ -57,6 +57,7 @@ def _make(opt_name="adamw", microbatches=1, clip=1.0, loss_chunk=0):
     return state, fn
 
 
+@pytest.mark.slow
 def test_loss_is_masked_cross_entropy():
     state, fn = _make()
     batch = _batch(masked_tail=5)
@@ -69,6 +70,7 @@ def test_loss_is_masked_cross_entropy():
     assert float(metrics["loss_tokens"]) == B * (T - 5)
 
 
+@pytest.mark.slow
 def test_masked_tokens_get_no_gradient_signal():
     """Changing targets where loss_mask is 0 changes nothing."""
     state, fn = _make()
@@ -83,6 +85,7 @@ def test_masked_tokens_get_no_gradient_signal():
 
 
 @pytest.mark.parametrize("opt_name", ["adamw", "muon"])
+@pytest.mark.slow
 def test_gradient_accumulation_equals_full_batch(opt_name):
     state, full = _make(opt_name)
     _, accum = _make(opt_name, microbatches=4)
@@ -96,6 +99,7 @@ def test_gradient_accumulation_equals_full_batch(opt_name):
     np.testing.assert_array_equal(jax.tree.leaves(s1.router)[0], jax.tree.leaves(s4.router)[0])
 
 
+@pytest.mark.slow
 def test_chunked_vocabulary_projection_equals_full():
     state, full = _make()
     _, chunked = _make(loss_chunk=4)
@@ -108,6 +112,7 @@ def test_chunked_vocabulary_projection_equals_full():
         np.testing.assert_allclose(x, y, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_non_finite_update_is_skipped_and_counted():
     state, fn = _make()
     bad = jax.tree.map(lambda x: x, state)
@@ -128,6 +133,7 @@ def test_non_finite_update_is_skipped_and_counted():
     assert int(metrics["update_skipped"]) == 0 and int(good.skipped) == 0
 
 
+@pytest.mark.slow
 def test_router_bias_follows_expert_load():
     state, fn = _make()
     batch = _batch()
@@ -140,6 +146,7 @@ def test_router_bias_follows_expert_load():
     assert float(jnp.abs(jax.tree.leaves(new.router)[0]).sum()) > 0
 
 
+@pytest.mark.slow
 def test_weight_decay_mask_and_muon_axes():
     variables = model.init(MICRO_MODEL, jax.random.key(0))
     mask = optimizer.decay_mask(variables["params"])
@@ -189,6 +196,7 @@ def test_clipping_bounds_the_update():
     assert not np.allclose(first_update(0.0, grads), first_update(0.0, double))
 
 
+@pytest.mark.slow
 def test_muon_experts_first_view_gives_the_same_updates():
     """Swapping [layers, experts] for Muon's flattening changes layout, not the math."""
     opt = _opt_config(name="muon", warmup_steps=0, clip_norm=0.0)

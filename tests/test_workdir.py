@@ -119,6 +119,7 @@ def test_main_command_refuses_an_unusable_workdir_before_any_stage(tmp_path):
 # ---- a relative workdir, end to end through Orbax ---------------------------------
 
 
+@pytest.mark.slow
 def test_relative_workdir_checkpoints(tmp_path, monkeypatch):
     """Orbax refuses relative checkpoint paths: the run resolves them first (this was
     the main command's crash at its first checkpoint)."""
@@ -134,6 +135,7 @@ def test_relative_workdir_checkpoints(tmp_path, monkeypatch):
 # ---- gs:// through the stand-in ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gs_workdir_trains_resumes_and_reports_through_the_stand_in(tmp_path, monkeypatch):
     """Every file of a training stage goes to gs:// (Orbax arrays through TensorStore's
     GCS client, the rest through epath): checkpoint saved, restored on resume, metrics
