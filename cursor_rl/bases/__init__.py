@@ -137,13 +137,13 @@ def _local_fields(model_config: ModelConfig) -> dict[str, Any]:
 
 def check_fits(path: str, base: ModelConfig, model_config: ModelConfig) -> None:
     """Raises BaseModelError naming the first parameter whose shape differs."""
-    have, want = model.parameter_shapes(base), model.parameter_shapes(model_config)
-    for name in sorted(set(have) | set(want)):
-        if have.get(name) != want.get(name):
-            raise BaseModelError(
-                f"{os.path.join(path, hf.CONFIG_FILE)} does not fit the configured model: "
-                f"parameter {name} is {have.get(name)} in the base and {want.get(name)} here"
-            )
+    differs = model.first_shape_difference(base, model_config)
+    if differs is not None:
+        name, have, want = differs
+        raise BaseModelError(
+            f"{os.path.join(path, hf.CONFIG_FILE)} does not fit the configured model: "
+            f"parameter {name} is {have} in the base and {want} here"
+        )
 
 
 def load_variables(path: str, model_config: ModelConfig) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from cursor_rl.model.config import ModelConfig, RopeScaling
 from cursor_rl.model.moe import update_router_bias
 from cursor_rl.model.transformer import (
     abstract_variables,
+    first_shape_difference,
     forward,
     forward_cached,
     forward_with_aux,
@@ -21,6 +22,7 @@ __all__ = [
     "ModelConfig",
     "RopeScaling",
     "abstract_variables",
+    "first_shape_difference",
     "forward",
     "forward_cached",
     "forward_with_aux",

@@ -266,6 +266,18 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+def first_shape_difference(
+    a: ModelConfig, b: ModelConfig
+) -> tuple[str, tuple[int, ...] | None, tuple[int, ...] | None] | None:
+    """``(path, shape in a, shape in b)`` of the first variable whose shapes differ
+    (None where a config lacks it), or None when the two have the same variables."""
+    have, want = parameter_shapes(a), parameter_shapes(b)
+    for name in sorted(set(have) | set(want)):
+        if have.get(name) != want.get(name):
+            return name, have.get(name), want.get(name)
+    return None
+
+
 def variable_shardings(
     config: ModelConfig, mesh: jax.sharding.Mesh, rules: partitioning.LogicalRules
 ) -> Variables:

@@ -208,13 +208,13 @@ def _check_compatible(meta: dict[str, Any], model_config: ModelConfig, where: st
             f"--config.model.scan_layers={saved_cfg.scan_layers} to continue from it"
         )
 
-    saved, current = model.parameter_shapes(saved_cfg), model.parameter_shapes(model_config)
-    for name in sorted(set(saved) | set(current)):
-        if saved.get(name) != current.get(name):
-            raise ValueError(
-                f"the checkpoint at {where} does not fit this model: parameter {name} is "
-                f"{saved.get(name)} there and {current.get(name)} here (check the model config)"
-            )
+    differs = model.first_shape_difference(saved_cfg, model_config)
+    if differs is not None:
+        name, saved, current = differs
+        raise ValueError(
+            f"the checkpoint at {where} does not fit this model: parameter {name} is "
+            f"{saved} there and {current} here (check the model config)"
+        )
 
 
 def checkpoint_metadata(cfg, model_config: ModelConfig, tokenizer: Tokenizer) -> dict[str, Any]:
