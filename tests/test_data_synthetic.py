@@ -78,6 +78,10 @@ def test_pretraining_pipeline_mixes_repeat_rows_reproducibly():
     for a, b in zip(train, again):
         for key in a:
             np.testing.assert_array_equal(a[key], b[key])
+    # Rows shorter than the configured spans allow still work: the spans are capped.
+    cfg.train.seq_len = 32
+    short = next(iter(loop.make_data(cfg, tokenizer, "train", seed=0)))
+    assert short["tokens"].shape == (cfg.train.batch_size, 32)
     assert isinstance(pipeline.DataConfig.from_mapping({"repeat_rows": 0.5}), pipeline.DataConfig)
     with pytest.raises(ValueError, match="repeat_rows"):
         pipeline.DataConfig.from_mapping({"repeat_rows": 1.5})

@@ -391,11 +391,14 @@ def make_pretrain_dataset(
         seed=seed,
     )
     if config.repeat_rows > 0 and split == "train":
+        # Spans are capped so a span, its largest gap and its repeat fit one row: a
+        # short --config.train.seq_len still runs, with shorter repeats.
+        max_len = max(1, min(config.repeat_max_len, (seq_len + 1) // 3))
         spec = synthetic.RepeatSpec(
             low=len(SPECIAL_TOKENS),
             high=tokenizer.vocab_size,
-            min_len=config.repeat_min_len,
-            max_len=config.repeat_max_len,
+            min_len=min(config.repeat_min_len, max_len),
+            max_len=max_len,
         )
         spec.check_fits(seq_len)
         replace = synthetic.ReplaceRows(config.repeat_rows, spec, tokenizer.pad_id)
