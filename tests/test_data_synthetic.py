@@ -49,7 +49,7 @@ def test_replace_rows_keeps_the_share_and_leaves_other_rows_alone():
     assert (batch["tokens"] == 7).all()  # the input batch is not modified
 
 
-def test_pretraining_pipeline_mixes_repeat_rows_reproducibly():
+def test_pretraining_pipeline_mixes_repeat_rows_reproducibly(tmp_path):
     from cursor_rl.data import pipeline
     from cursor_rl.train import loop
     from tests.train_helpers import micro_config
@@ -58,7 +58,7 @@ def test_pretraining_pipeline_mixes_repeat_rows_reproducibly():
     cfg.train.seq_len = 64
     cfg.data.repeat_rows = 0.5
     cfg.data.repeat_max_len = 20
-    tokenizer = loop.ensure_tokenizer(cfg, "/tmp/cursor_rl_test_synthetic_tok")
+    tokenizer = loop.ensure_tokenizer(cfg, str(tmp_path))
 
     def first_batches(split):
         it = iter(loop.make_data(cfg, tokenizer, split, seed=0))

@@ -13,9 +13,9 @@ each file.
 - a built-in name (``BUILTIN``), e.g. ``"tiny"``;
 - the path of such a directory.
 
-``verify`` runs before any stage starts, so a missing, truncated or altered file,
-or a base whose shapes do not fit the configured model, is an error naming the
-file, never a failure minutes into a run.
+The first stage runs ``verify`` before anything else (tokenizer, data, weights), so
+a missing, truncated or altered file, or a base whose shapes do not fit the
+configured model, is an error naming the file, never a failure minutes into a run.
 """
 
 from __future__ import annotations
@@ -146,9 +146,16 @@ def check_fits(path: str, base: ModelConfig, model_config: ModelConfig) -> None:
         )
 
 
-def load_variables(path: str, model_config: ModelConfig) -> dict[str, Any]:
-    """The base's variables as host arrays laid out for ``model_config`` (verified first)."""
-    verify(path, model_config)
+def load_variables(
+    path: str, model_config: ModelConfig, *, verified: bool = False
+) -> dict[str, Any]:
+    """The base's variables as host arrays laid out for ``model_config``.
+
+    The base is verified first, unless the caller already did (``verified``): the
+    trainer checks it before anything else and reads it later.
+    """
+    if not verified:
+        verify(path, model_config)
     try:
         _, variables = hf.load_hf_checkpoint(path, **_local_fields(model_config))
     except hf.HFCheckpointError as err:

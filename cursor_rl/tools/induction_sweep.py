@@ -20,8 +20,12 @@ What differs from the trainer (``cursor_rl.train``), on purpose:
    segment ids instead.
 2. **The router's correction bias is not updated** (the aux-loss-free balancing of
    the trainer is off); routing is learned through the router weights only.
-3. **Repeat rows may come out empty**: a span whose document would not fit the row
-   ends it, so with ``--repeat_max_len`` near ``seq_len / 3`` some rows carry nothing.
+3. **Repeat rows are token streams**: documents are laid end to end as tokens (each
+   document's last token stays an input, its target masked), where
+   ``data.synthetic.repeat_row`` drops that token; and a span whose document would not
+   fit ends the row, so with ``--repeat_max_len`` above ``seq_len / 3`` some rows carry
+   nothing. The draws are the same; the tool keeps its own writer so the shipped base's
+   run is reproduced as it was.
 
 ``--save_hf`` writes the final weights as a base (``cursor_rl.bases``: bf16
 safetensors, ``config.json``, the tokenizer, ``SHA256SUMS``).

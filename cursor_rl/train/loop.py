@@ -271,7 +271,7 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: Workdir | 
     base_variables = None  # host arrays of the base model, when this stage starts from it
     if base is not None and manager.latest_step() is None and not cfg.train.init_from:
         # Read outside the mesh context: the reader traces the model.
-        base_variables = bases.load_variables(base, model_config)
+        base_variables = bases.load_variables(base, model_config, verified=True)
         log.info("[%s] initialising from the base model %s", stage, base)
 
     with partitioning.use_mesh(mesh, rules):
