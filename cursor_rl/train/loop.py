@@ -130,7 +130,8 @@ def validate_stage_config(cfg: ml_collections.ConfigDict, num_devices: int) -> M
 
 
 def ensure_tokenizer(cfg: ml_collections.ConfigDict, workdir: Workdir | str) -> Tokenizer:
-    """The run's tokenizer: ``tokenizer.path``, else the workdir's, else trained now.
+    """The run's tokenizer: ``tokenizer.path``, else the base model's (``init_from``),
+    else the workdir's, else trained now.
 
     Process 0 trains and saves; the others wait for it and load the same file.
     """
