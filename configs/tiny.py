@@ -14,12 +14,14 @@ the real CPU device). Model: 7.4M parameters (3.9M active), hidden 256, 4 layers
 (1 dense + 3 MoE with 8 routed experts top-2 and 1 shared), MLA with a 64-wide KV
 latent, vocabulary 2048 (byte-level BPE trained on the corpus).
 
-Expected result (measured on 2 quiet CPU cores from random weights, before the
-shipped base; docs/learning.md section 2): the three training stages took ~8 minutes
-with held-out loss falling in each (pretrain 7.69 -> 4.74, long-context 4.68 -> 4.58,
-SFT 5.45 -> 0.46), the whole pipeline ~13 minutes; the SFT model used the tool-call
-format but did not solve held-out tiny tasks (pass@1 0): it had not learned to copy
-names from its context, so the RL steps showed the loop running, not learning.
+Expected result (2 quiet CPU cores, from the shipped base, seed 0, 2026-12-05, with 20
+RL steps; docs/learning.md section 5): exit 0 in ~45 minutes including the install;
+pretrain 150 steps (held-out loss 2.674 -> 2.668, copy probe 0.999), long-context 40
+steps (2.283 -> 2.220), SFT 300 steps on 256 scripted demonstrations (3.65 -> 0.063,
+copy probe 0.90), held-out pass@1 (32 tasks x 4 samples) base 0.000, SFT 0.008
+[0.000, 0.031], RL 0.000; RL reward on the training tasks 0 to 0.09 per step with no
+trend. The SFT model reads the right file and submits (73% of held-out episodes) but
+its edits are wrong: RL raising held-out pass@1 is not shown yet (issue 18).
 """
 
 from cursor_rl import config_lib
@@ -68,8 +70,14 @@ def get_config(arg=None):
     c.init_from = "tiny"
     c.train.num_steps = 150
     c.train.batch_size = 16
+    # Two passes of 8 rows, gradients accumulated: the step's XLA temporaries 0.98 ->
+    # 0.55 GiB and the stage's peak 2.96 -> 2.16 GiB, for 8% of its speed (4,981 ->
+    # 4,576 tok/s; benchmarks/memory_bench.py, 2026-12-04).
+    c.train.microbatches = 2
     c.train.seq_len = 256
     c.train.log_every = 10
+    # One step in flight: XLA:CPU holds a queued step's temporaries too (config_lib).
+    c.train.max_steps_in_flight = 1
     c.train.eval_every = 50
     c.train.probe_every = 50
     c.data.repeat_rows = 0.25
@@ -81,8 +89,14 @@ def get_config(arg=None):
     # (b) Long context: 4x the sequence length, YaRN factor 4 over the pretraining
     # length (DeepSeek-V3 sec. 4.3 extends the same way), lower learning rate.
     lc = c.stage_overrides.long_context
-    lc.train = dict(seq_len=1024, batch_size=4, num_steps=40, probe_every=20)
+    lc.train = dict(seq_len=1024, batch_size=4, num_steps=40, probe_every=20, microbatches=1)
     lc.model = dict(
+        # Query chunks of 256 (recomputed in backward) instead of [B, H, T, T] scores:
+        # the step's temporaries fall from 1.54 to 0.82 GiB and the process peak from
+        # 4.1 to 2.7 GiB, at ~12% of the stage's speed (benchmarks/memory_bench.py,
+        # 2026-12-04). SFT and RL inherit it.
+        attention_impl="chunked",
+        attention_chunk_size=256,
         rope_scaling=dict(
             factor=4.0,
             original_max_position_embeddings=256,
@@ -100,45 +114,67 @@ def get_config(arg=None):
 
     # (c) SFT on agent trajectories in the harness's chat/tool format.
     sft = c.stage_overrides.sft
-    sft.train = dict(seq_len=1024, batch_size=4, num_steps=150)
-    sft.optimizer = dict(learning_rate=1e-3, warmup_steps=5)
+    # seq_len 1536: a read-edit-submit demonstration is ~850-1,350 tokens (median
+    # ~1,040; a module's read alone ~450), so at 1024 half of them were cut in two
+    # and the cut-off halves trained without their task in view (2026-12-05).
+    sft.train = dict(seq_len=1536, batch_size=4, num_steps=300, microbatches=1)
+    # lr 3e-4: at 1e-3 SFT's ~6 epochs over 96 demonstrations took the copy probe from
+    # 0.999 to 0.52; at 3e-4 it kept 0.90 but solved no held-out task either (32 x 4,
+    # 2026-12-04). 256 demonstrations (every training task, ~30 templates x 8 bug,
+    # feature and refactor generators) over 300 steps: ~4.7 epochs.
+    sft.optimizer = dict(learning_rate=3e-4, warmup_steps=5)
     # The harness lists its tools compactly (a short system prompt leaves the context
     # to the episode), and SFT learns from the scripted solver's shortest plan (read,
     # edit, submit) on the run's own training tasks.
     c.harness.tools_style = "compact"
-    c.sft_data.demos = 96
+    c.sft_data.demos = 256
     c.sft_data.plan = "short"
 
     # (d) RL on the tiny task family: groups of 8 episodes on 4 tasks per step, the
     # held-out benchmark evaluated on the long-context checkpoint (rl.eval.base, the
     # baseline), before RL (the SFT checkpoint) and after.
     rl = c.rl
-    rl.num_steps = 6
+    rl.num_steps = 10
     rl.tasks_per_step = 4
-    rl.train_seq_len = 1024
-    rl.tasks.train_count = 96
+    rl.train_seq_len = 2048
+    # A rollout batch packs into up to 32 rows; one pass over all of them needed ~12 GB
+    # of temporaries at 1024. Passes of 2 rows of 2048, gradients accumulated.
+    rl.microbatch_rows = 2
+    rl.tasks.train_count = 256
     rl.tasks.bench_count = 32
     rl.rollout.group_size = 8
+    # Rollouts and evals sample at temperature 0.6 (DeepSeek-R1's and Qwen's
+    # recommended setting; GRPO scores the tempered distribution, rl/grpo.py note 8).
+    # At 1.0 the SFT model's openers loop on copied spans and its edits are mostly
+    # noise: on the same SFT checkpoint held-out pass@1 was 0.008 at 1.0 and 0.039 at
+    # 0.6, with 88% of episodes submitting (2026-12-05, docs/learning.md section 5).
+    rl.rollout.temperature = 0.6
     # Long-horizon: room to read, edit, run the tests and retry; a context past
-    # 900 tokens is summarised by the model itself and the episode goes on from
+    # 1536 tokens is summarised by the model itself and the episode goes on from
     # [system, task, summary] (rl/rollout.py), as Composer's long episodes do.
-    # Reading the task's file brings a context to ~640 tokens: a threshold of 640
-    # summarised nearly every episode right after the read, before its edit (the
-    # file's text was gone; measured 2026-12-04). At 900 a read-edit-submit episode
-    # fits and an episode that runs the tests and retries crosses it.
+    # The threshold must clear a successful read-edit-submit episode (up to ~1,350
+    # tokens here): at 640 nearly every episode summarised right after its read
+    # (2026-12-04); at 900, in a 1024 context, 53 of 128 held-out SFT episodes and
+    # 41 of 64 training rollouts were cut off by the summary prompt right after a
+    # successful edit, before submitting (2026-12-05). An episode that runs the tests
+    # and retries crosses 1536.
     rl.rollout.max_turns = 8
     rl.rollout.max_new_tokens = 192
     rl.rollout.token_budget = 1024
-    rl.rollout.summary_threshold = 900
+    rl.rollout.summary_threshold = 1536
     rl.rollout.max_summaries = 1
     rl.rollout.summary_max_tokens = 128
     rl.reward.token_budget = 1024
     rl.reward.max_tool_calls = 8
     rl.sampler.num_slots = 32
-    rl.sampler.max_seq_len = 1024
+    rl.sampler.max_seq_len = 2048
     rl.eval.every = 0
     rl.eval.num_tasks = 32  # every bench task: 32 tasks x 4 samples for the intervals
     rl.eval.samples = 4
+    rl.eval.temperature = 0.6
+    # Eval episodes keep their tokens (~2 MB a run): read them with
+    # `python -m cursor_rl.eval.transcripts --workdir=... --stage=sft`.
+    rl.eval.save_trajectories = True
     c.stage_overrides.rl.optimizer = dict(
         learning_rate=2e-4, schedule="constant", warmup_steps=0, weight_decay=0.0
     )

@@ -88,6 +88,12 @@ def _rl_defaults() -> ml_collections.ConfigDict:
     rl.tasks_per_step = 8  # task groups per rollout batch
     rl.updates_per_batch = 1  # optimizer steps per rollout batch (slices of its rows)
     rl.microbatches = 1
+    # Rows per forward/backward pass (0: no cap). A rollout batch's row count varies
+    # with its episodes' lengths; with a cap, its update accumulates gradients over
+    # as many microbatches as keep each at most this many rows (and old log-probs are
+    # computed in slices as large), so host/device memory is bounded by the cap, not
+    # by the batch (tiny: 32 rows x 1024 in one pass needed ~12 GB of temporaries).
+    rl.microbatch_rows = 0
     rl.train_seq_len = 2048  # trainer row length (a segment longer than this is cut)
     rl.max_staleness = 1  # accept rollouts at most this many policy versions old
     rl.tool_workers = 2  # sandbox worker processes
@@ -109,6 +115,9 @@ def _rl_defaults() -> ml_collections.ConfigDict:
     rl.eval.temperature = 1.0
     rl.eval.seed = 1234
     rl.eval.bench_name = "tiny_bench"
+    # Also keep each eval episode's token trajectory in eval/<bench>/results.jsonl
+    # (read them back as text with `python -m cursor_rl.eval.transcripts`).
+    rl.eval.save_trajectories = False
     # Also evaluate the long-context checkpoint (the model before SFT) once, before RL,
     # as stage "base": the report's learning table reads base -> SFT -> RL.
     rl.eval.base = True
@@ -163,6 +172,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.z_loss = 0.0  # coefficient of log(Z)^2 (PaLM), 0 = off
     c.train.loss_chunk_size = 0  # project to the vocabulary this many positions at a time
     c.train.log_every = 10
+    # Steps dispatched but not finished, at most (0: no limit, JAX's asynchronous
+    # dispatch). XLA:CPU allocates a step's temporaries when it is enqueued, so a
+    # second step queued behind a running one holds a second set: 1 on the CPU keeps
+    # one (tiny pretraining: 2.0 instead of 3.0 GiB); on TPU/GPU queued steps hold
+    # none and the queue hides the host's dispatch time.
+    c.train.max_steps_in_flight = 0
     c.train.eval_every = 50
     c.train.eval_batches = 4
     c.train.init_from = ""  # checkpoint dir to start from (else the previous stage's)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import time
 
@@ -13,7 +14,7 @@ import jax
 import ml_collections
 from jax.experimental import multihost_utils
 
-from cursor_rl import stages
+from cursor_rl import hostmem, stages
 from cursor_rl.eval import report
 from cursor_rl.rl import loop as rl_loop
 from cursor_rl.tasks import builtin_sft, records
@@ -31,6 +32,7 @@ class StageRow:
     train: str  # final train loss, or RL reward
     eval: str  # held-out loss first -> last, or pass@1 before -> after
     wall_s: float
+    peak_rss: int = 0  # this process's peak resident bytes during the stage
 
 
 def _train_row(r: train_loop.StageResult) -> StageRow:
@@ -121,20 +123,43 @@ def run(config: ml_collections.ConfigDict, workdir: Workdir | str) -> list[Stage
     for stage in train_stages:
         if stage == "sft":
             config = prepare_sft_data(config, workdir)
+        hostmem.reset_peak()
         rows.append(_train_row(train_loop.run_stage(config, stage, workdir)))
+        rows[-1].peak_rss = _stage_done(stage)
     if config.stage in ("all", "rl"):
+        hostmem.reset_peak()
         rows.append(_rl_row(rl_loop.run_rl(config, workdir)))
+        rows[-1].peak_rss = _stage_done("rl")
     if jax.process_index() == 0:
         report.write_report(workdir)
     return rows
 
 
+def _stage_done(stage: str) -> int:
+    """Logs the stage's peak resident memory (see ``hostmem``) and returns it, then
+    hands what the stage freed back to the system: its compiled programs (JAX's
+    caches) and the allocator's free pages, so the next stage starts small."""
+    peak = hostmem.peak_bytes()
+    jax.clear_caches()
+    gc.collect()
+    hostmem.release_free_memory()
+    if jax.process_index() == 0:
+        scope = "stage" if hostmem.peak_is_per_stage() else "process lifetime"
+        now = hostmem.gib(hostmem.rss_bytes())
+        print(f"[{stage}] peak RSS {hostmem.gib(peak)} ({scope}), now {now}", flush=True)
+    return peak
+
+
 def summary_table(rows: list[StageRow]) -> str:
     """The console summary: stage, steps, tokens, train and eval figures, wall time."""
-    lines = [f"{'stage':<13} {'steps':>6} {'tokens':>11} {'train':>14} {'eval':>26} {'wall':>7}"]
+    lines = [
+        f"{'stage':<13} {'steps':>6} {'tokens':>11} {'train':>14} {'eval':>26} {'wall':>7}"
+        f" {'peak RSS':>9}"
+    ]
     for r in rows:
         tokens = "-" if r.tokens is None else f"{r.tokens:,}"
         lines.append(
             f"{r.stage:<13} {r.steps:>6} {tokens:>11} {r.train:>14} {r.eval:>26} {r.wall_s:>6.0f}s"
+            f" {r.peak_rss / 2**30:>7.2f}GB"
         )
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the sandbox (cursor_rl/env/sandbox.py) needs. Idempotent and
-# silent when everything is present; run as root (CI runs as root).
+# Installs the Debian packages the sandbox (cursor_rl/env/sandbox.py) and the CPU
+# allocator need. Idempotent and silent when everything is present; run as root (CI runs as root).
 #   bash launch/install_system_deps.sh
 #
 #   bwrap            bubblewrap: mount/PID/IPC/UTS namespaces and the read-only filesystem view
@@ -10,6 +10,8 @@
 #   nsenter setpriv prlimit   util-linux: join the namespace, drop to the sandbox user, rlimits
 #   mount umount     the workspace's size-limited tmpfs
 #   /usr/bin/python3 the interpreter graded tests use by default (GradeSpec.python)
+#   libtcmalloc_minimal.so.4   tcmalloc, the allocator cursor_rl/main.py preloads on CPU
+#                    (cursor_rl/host_malloc.py: glibc's speed settings without its memory growth)
 set -euo pipefail
 
 declare -A package_of=(
@@ -29,6 +31,9 @@ for cmd in "${!package_of[@]}"; do
   command -v "$cmd" >/dev/null 2>&1 || missing+=("${package_of[$cmd]}")
 done
 [ -x /usr/bin/python3 ] || missing+=(python3)
+compgen -G "/usr/lib*/libtcmalloc_minimal.so.4" >/dev/null \
+  || compgen -G "/usr/lib/*/libtcmalloc_minimal.so.4" >/dev/null \
+  || missing+=(libtcmalloc-minimal4)
 [ "${#missing[@]}" -eq 0 ] && exit 0
 
 if [ "$(id -u)" -ne 0 ]; then

@@ -92,4 +92,4 @@ def test_command_line_overrides_win_over_stage_overrides():
     for stage in stages.TRAIN_STAGES:
         assert stages.stage_config(config, stage).train.num_steps == 7, stage
     assert stages.stage_config(config, "long_context").train.seq_len == 512
-    assert stages.stage_config(config, "sft").train.seq_len == 1024  # its own, untouched
+    assert stages.stage_config(config, "sft").train.seq_len == 1536  # its own, untouched

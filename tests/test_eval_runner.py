@@ -127,3 +127,38 @@ def test_eval_row_carries_the_intervals(tmp_path):
     row = runner.eval_row(solved_all)
     for key in ("pass@1", "pass@k", "best_of_k"):
         assert (row[f"{key}_ci_low"], row[f"{key}_ci_high"]) == (1.0, 1.0), key
+
+
+class _DigitTokenizer:
+    """Decodes token ids as their numbers, for reading transcripts back in tests."""
+
+    def decode(self, ids):
+        return " ".join(str(i) for i in ids)
+
+
+def test_transcripts_print_recorded_turns_and_skip_bad_lines(tmp_path):
+    from cursor_rl.eval import transcripts
+
+    _evaluate(tmp_path, stage="sft", step=1, save_trajectories=True)
+    _evaluate(tmp_path, stage="rl", step=2)  # no trajectories: outcome lines only
+    path = tmp_path / "eval" / "tiny_bench" / runner.RESULTS_FILE
+    with open(path, "a") as f:
+        f.write("{not json\n")
+    records, bad = transcripts.read_records(path)
+    assert len(records) == 16 and bad == 1
+    solved = list(transcripts.select(records, stage="sft", resolved=True))
+    assert [r["task_id"] for r in solved] == ["bug-1"] + ["feat-1"] * 4
+    assert "turns" in solved[0]["trajectory"]
+    # graded_episode's trajectories hold no tokens: give one episode two turns.
+    solved[0]["trajectory"] = {
+        "tokens": [5, 6, 7, 8, 9],
+        "loss_mask": [0, 0, 1, 1, 1],
+        "logprobs": [None, None, -0.1, -0.2, -0.3],
+        "turns": [["user", 0, 2, 0], ["assistant", 2, 5, 0]],
+        "segment_starts": [0],
+    }
+    text = transcripts.render(solved[0], _DigitTokenizer())
+    assert text.startswith("### bug-1 sample 0 (stage sft step 1): submitted, resolved=True")
+    assert "--- user (segment 0) ---\n5 6\n--- assistant (segment 0) ---\n7 8 9" in text
+    rl = next(transcripts.select(records, stage="rl"))
+    assert "no trajectory recorded" in transcripts.render(rl, _DigitTokenizer())

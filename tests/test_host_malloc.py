@@ -164,3 +164,67 @@ def test_the_entry_point_configures_before_numpy_and_jax(tmp_path):
     assert firsts[0] == "mallopt" and {"numpy", "jax"} <= set(firsts), firsts
     arenas, state = _arenas(out)
     assert state == {"applied": True, "numpy": True} and arenas == 1, (arenas, state)
+
+
+# Calls preload() as an entry point does, then reports what serves malloc in this
+# process and in a child it starts, and whether configure() still applied glibc's settings.
+_PRELOAD = textwrap.dedent(
+    """
+    from cursor_rl import host_malloc
+    name = host_malloc.preload()
+    import json, os, subprocess, sys
+    probe = "from cursor_rl import host_malloc; print(host_malloc.preloaded())"
+    child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    print(json.dumps({
+        "name": name, "preloaded": host_malloc.preloaded(), "configured": host_malloc.configure(),
+        "ld_preload": os.environ.get("LD_PRELOAD"), "child": child.stdout.strip(),
+        "argv": sys.argv[1:],
+    }))
+    """
+)
+
+
+@pytest.mark.skipif(host_malloc.find_library("tcmalloc") is None, reason="tcmalloc not installed")
+def test_preload_reexecutes_with_tcmalloc_and_children_keep_glibc(tmp_path):
+    """In ``auto`` on the CPU, preload() re-executes the program (arguments kept) with
+    tcmalloc serving malloc, glibc's settings then stay off, and a subprocess it starts
+    runs on glibc again; with ``off`` nothing is preloaded."""
+    script = tmp_path / "entry.py"
+    script.write_text(_PRELOAD)
+    state = json.loads(_run([str(script), "--flag=1"], "auto").stdout.strip().splitlines()[-1])
+    assert state == {
+        "name": "tcmalloc", "preloaded": "tcmalloc", "configured": False,
+        "ld_preload": None, "child": "None", "argv": ["--flag=1"],
+    }, state  # fmt: skip
+    state = json.loads(_run([str(script)], "off").stdout.strip().splitlines()[-1])
+    assert state["name"] is None and state["preloaded"] is None, state
+
+
+# Frees a touched 256 MiB block under the allocator in use, then releases free memory;
+# prints the resident size after the free and after the release.
+_RELEASE = textwrap.dedent(
+    """
+    import ctypes, json
+    from cursor_rl import host_malloc, hostmem
+    host_malloc.preload()
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+    libc.free.argtypes = (ctypes.c_void_p,)
+    size = 256 * 2**20
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    libc.free(block)
+    freed = hostmem.rss_bytes()
+    how = hostmem.release_free_memory()
+    print(json.dumps({"how": how, "freed": freed, "released": hostmem.rss_bytes()}))
+    """
+)
+
+
+@pytest.mark.skipif(host_malloc.find_library("tcmalloc") is None, reason="tcmalloc not installed")
+def test_release_free_memory_returns_what_tcmalloc_kept():
+    """tcmalloc keeps a freed block resident (that is its speed); release_free_memory()
+    (called by the pipeline between stages) gives it back to the system."""
+    state = json.loads(_run(["-c", _RELEASE], "tcmalloc").stdout.strip().splitlines()[-1])
+    assert state["how"] == "tcmalloc", state
+    assert state["freed"] - state["released"] >= 200 * 2**20, state

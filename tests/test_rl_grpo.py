@@ -228,3 +228,33 @@ def test_partial_credit_and_registry():
         rewards.RewardConfig.from_mapping({"name": "nope"})
     with pytest.raises(ValueError, match="unknown"):
         rewards.RewardConfig.from_mapping({"lenght_penalty": 1.0})
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_logprobs_score_the_tempered_distribution(temperature):
+    # What a sampler at this temperature reports: log softmax(logits / T) of the target.
+    variables = model.init(MICRO_MODEL, jax.random.key(0))
+    batch = _rl_batch()
+    logits = model.forward(
+        MICRO_MODEL,
+        variables,
+        batch["tokens"],
+        positions=batch["positions"],
+        segment_ids=batch["segment_ids"],
+    )
+    expected = jnp.take_along_axis(
+        jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, -1),
+        batch["targets"][..., None],
+        -1,
+    )[..., 0]
+    got = grpo.logprobs_step(variables, batch, config=MICRO_MODEL, temperature=temperature)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    if temperature != 1.0:  # and it is not the untempered one
+        untempered = grpo.logprobs_step(variables, batch, config=MICRO_MODEL)
+        assert float(jnp.abs(untempered - got).max()) > 1e-2
+
+
+def test_greedy_is_not_a_trainable_temperature():
+    variables = model.init(MICRO_MODEL, jax.random.key(0))
+    with pytest.raises(ValueError, match="temperature=0"):
+        grpo.logprobs_step(variables, _rl_batch(), config=MICRO_MODEL, temperature=0.0)

@@ -41,11 +41,15 @@ def init_checkpoint(tmp_path_factory):
     )
 
 
-def _trainer(init_checkpoint, tmp_path) -> RLTrainer:
+def _trainer(
+    init_checkpoint, tmp_path, microbatch_rows: int = 0, seq_len: int = 16, eps: float = 1e-8
+) -> RLTrainer:
     cfg = config_lib.base_config()
+    cfg.rl.microbatch_rows = microbatch_rows
+    cfg.optimizer.eps = eps
     cfg.model = config_lib.model_section(MODEL)
     cfg.rl.num_steps = STEPS
-    cfg.rl.train_seq_len = 16
+    cfg.rl.train_seq_len = seq_len
     cfg.optimizer.learning_rate = 1e-2
     cfg.optimizer.schedule = "constant"
     cfg.optimizer.warmup_steps = 0
@@ -137,3 +141,51 @@ def test_flipped_advantages_do_not_learn(init_checkpoint, tmp_path):
     assert expected[0] < 2 * CHANCE
     assert expected[-1] <= CHANCE + 0.05
     assert np.mean(sampled[-5:]) <= CHANCE + 0.05
+
+
+def test_microbatch_rows_cap_each_pass_and_keep_the_update(init_checkpoint, tmp_path):
+    """rl.microbatch_rows: a batch of 16 rows updates in 2 passes of 8 rows (and its old
+    log-probs in slices of 8), to the same parameters as one pass of 16 rows (8 is the
+    emulated mesh's batch devices, so the smallest cap)."""
+    key = jax.random.key(2)
+    variables = None
+    results = []
+    for cap in (0, 8):
+        # Adam's eps at 1 keeps its first update about linear in the gradient (with the
+        # default, g / |g| turns float rounding in near-zero gradients into big steps).
+        trainer = _trainer(
+            init_checkpoint, tmp_path / f"cap{cap}", microbatch_rows=cap, seq_len=4, eps=1.0
+        )
+        try:
+            if variables is None:  # a host copy: the update donates the state's arrays
+                variables = jax.device_get(trainer.state.variables)
+            _, actions, logps = jax.device_get(_policy(variables, key))
+            episodes = [
+                _episode(p, g, int(actions[g, p]), float(logps[g, p]))
+                for g in range(GROUP)
+                for p in range(len(PROMPTS))
+            ]
+            advantages = [float(i % 3 - 1) for i in range(len(episodes))]
+            metrics = trainer.train(episodes, advantages)
+            assert metrics["train_rows"] == 16  # two 3-token episodes to a row
+            assert trainer.microbatches(16) == (1 if cap == 0 else 2)
+            results.append(jax.device_get(trainer.state.params))
+        finally:
+            trainer.close()
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), *results)
+    assert not all(
+        np.allclose(a, b)
+        for a, b in zip(
+            jax.tree.leaves(results[0]), jax.tree.leaves(jax.device_get(variables["params"]))
+        )
+    )  # the update moved the parameters
+
+
+def test_microbatch_counts_divide_the_rows():
+    """The count keeps each pass within the cap and always divides the row count."""
+    trainer = RLTrainer.__new__(RLTrainer)
+    trainer.cfg = config_lib.base_config()
+    trainer.microbatch_rows = 4
+    assert [trainer.microbatches(r) for r in (1, 2, 4, 8, 32, 12, 6)] == [1, 1, 1, 2, 8, 3, 2]
+    trainer.microbatch_rows = 0
+    assert trainer.microbatches(32) == 1

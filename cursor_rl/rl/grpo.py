@@ -30,6 +30,10 @@ Choices, in the order they act:
    supplied with the batch.
 7. **Masked tokens** (system, user, tool-result tokens and padding) have weight
    0, so they contribute exactly zero gradient.
+8. **The sampling temperature is part of the policy.** Rollouts drawn at
+   temperature T carry log-probs of ``softmax(logits / T)``; the trainer scores
+   (``old_logprobs`` and the loss) with the same T, so the ratio and TIS compare like
+   with like (veRL divides the actor's logits by the rollout temperature the same way).
 
 The update itself (optimizer, clipping, non-finite skip, router-bias update)
 is the trainer's (``cursor_rl.train.step``).
@@ -172,12 +176,19 @@ def policy_loss(
 
 
 def logprobs_step(
-    variables: dict[str, Any], batch: Mapping[str, jax.Array], *, config: ModelConfig, loss_chunk=0
+    variables: dict[str, Any],
+    batch: Mapping[str, jax.Array],
+    *,
+    config: ModelConfig,
+    loss_chunk=0,
+    temperature: float = 1.0,
 ) -> jax.Array:
-    """The trainer's log p of every target token [B, T] (for ``old_logprobs``)."""
+    """The trainer's log p of every target token [B, T] (for ``old_logprobs``), at the
+    rollouts' sampling temperature."""
     stats, _ = step_lib.token_stats(
-        config, variables["params"], variables["router"], batch, loss_chunk
-    )
+        config, variables["params"], variables["router"], batch, loss_chunk,
+        temperature=temperature,
+    )  # fmt: skip
     return stats["logp"]
 
 
@@ -191,13 +202,20 @@ def grpo_step(
     schedule: optax.Schedule,
     microbatches: int = 1,
     loss_chunk: int = 0,
+    temperature: float = 1.0,
 ) -> tuple[step_lib.TrainState, dict[str, jax.Array]]:
-    """One optimizer step of the GRPO objective on a batch of RL_BATCH_KEYS arrays."""
+    """One optimizer step of the GRPO objective on a batch of RL_BATCH_KEYS arrays.
+
+    ``temperature`` is the rollouts' sampling temperature: the policy being improved is
+    ``softmax(logits / temperature)``, the distribution the tokens were drawn from
+    (choice 8).
+    """
 
     def loss_fn(params, micro):
         stats, aux = step_lib.token_stats(
-            config, params, state.router, micro, loss_chunk, with_entropy=True
-        )
+            config, params, state.router, micro, loss_chunk, with_entropy=True,
+            temperature=temperature,
+        )  # fmt: skip
         loss, diagnostics = policy_loss(stats["logp"], micro, grpo)
         diagnostics["entropy"] = (
             jax.lax.stop_gradient(stats["entropy"]) * micro["token_weight"]

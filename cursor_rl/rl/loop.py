@@ -346,6 +346,7 @@ class _SamplerSide:
             step=step,
             policy_version=self.sampler.policy_version,
             partial_credit=bool(self.ctx.cfg.rl.reward.partial_credit),
+            save_trajectories=bool(e.save_trajectories),
         )
         row = eval_runner.eval_row(summary)
         writer.write(stage, step, row)

@@ -134,6 +134,12 @@ class RLTrainer:
         self.mesh = partitioning.make_mesh(cfg.mesh.ici.to_dict(), cfg.mesh.dcn.to_dict())
         self.rules = partitioning.make_rules(cfg.mesh.rules_preset, cfg.mesh.rules.to_dict())
         self.grpo = grpo.GRPOConfig.from_mapping(rl.grpo.to_dict())
+        # The rollouts' temperature: the trainer scores the distribution they drew from.
+        self.temperature = float(rl.rollout.temperature)
+        if self.temperature <= 0:
+            raise ValueError(
+                f"rl.rollout.temperature={self.temperature}: RL rollouts need a temperature > 0"
+            )
         updates = int(rl.num_steps) * int(rl.updates_per_batch)
         self.tx = optim.make_optimizer(cfg.optimizer, updates)
         self.schedule = optim.make_schedule(cfg.optimizer, updates)
@@ -144,9 +150,14 @@ class RLTrainer:
             ("act_batch", "act_length"), self.mesh, self.rules
         )
         sizes = dict(self.mesh.shape)
-        self.rows_multiple = int(np.prod([sizes[a] for a in partitioning.BATCH_AXES])) * int(
-            rl.microbatches
-        )
+        batch_devices = int(np.prod([sizes[a] for a in partitioning.BATCH_AXES]))
+        self.rows_multiple = batch_devices * int(rl.microbatches)
+        self.microbatch_rows = int(rl.get("microbatch_rows", 0))
+        if self.microbatch_rows < 0 or self.microbatch_rows % batch_devices:
+            raise ValueError(
+                f"rl.microbatch_rows={self.microbatch_rows}: must be 0 or a positive multiple "
+                f"of the batch axes' {batch_devices} devices"
+            )
         self.metadata = dict(metadata)
         self.manager = checkpoints.CheckpointManager(
             state_dir, keep_last=2, async_save=False, fallback_to_previous=True
@@ -180,31 +191,61 @@ class RLTrainer:
                     opt_state=init_opt(variables["params"]),
                     skipped=jax.device_put(np.int32(0), replicated),
                 )
-            batch_sh = {k: self.batch_sharding for k in grpo.RL_BATCH_KEYS}
-            self._update = jax.jit(
-                functools.partial(
-                    grpo.grpo_step,
-                    config=model_config,
-                    grpo=self.grpo,
-                    tx=self.tx,
-                    schedule=self.schedule,
-                    microbatches=int(rl.microbatches),
-                    loss_chunk=int(cfg.train.loss_chunk_size),
-                ),
-                in_shardings=(self.shardings, batch_sh),
-                out_shardings=(self.shardings, None),
-                donate_argnums=(0,),
-            )
+            self._updates: dict[int, Any] = {}  # microbatch count -> compiled update
             variables_sh = {"params": self.shardings.params, "router": self.shardings.router}
             self._logprobs = jax.jit(
                 functools.partial(
                     grpo.logprobs_step,
                     config=model_config,
                     loss_chunk=int(cfg.train.loss_chunk_size),
+                    temperature=self.temperature,
                 ),
                 in_shardings=(variables_sh, {k: self.batch_sharding for k in step_lib.BATCH_KEYS}),
                 out_shardings=self.batch_sharding,
             )
+
+    def microbatches(self, rows: int) -> int:
+        """Microbatches for an update of ``rows`` rows: ``rl.microbatches``, or more so
+        that none exceeds ``rl.microbatch_rows`` (the count always divides ``rows``)."""
+        count = int(self.cfg.rl.microbatches)
+        if self.microbatch_rows:
+            count = max(count, -(-rows // self.microbatch_rows))
+            while rows % count:
+                count += 1
+        return count
+
+    def _update(self, state, batch):
+        count = self.microbatches(int(batch["tokens"].shape[0]))
+        if count not in self._updates:
+            batch_sh = {k: self.batch_sharding for k in grpo.RL_BATCH_KEYS}
+            self._updates[count] = jax.jit(
+                functools.partial(
+                    grpo.grpo_step,
+                    config=self.model_config,
+                    grpo=self.grpo,
+                    tx=self.tx,
+                    schedule=self.schedule,
+                    microbatches=count,
+                    loss_chunk=int(self.cfg.train.loss_chunk_size),
+                    temperature=self.temperature,
+                ),
+                in_shardings=(self.shardings, batch_sh),
+                out_shardings=(self.shardings, None),
+                donate_argnums=(0,),
+            )
+        return self._updates[count](state, batch)
+
+    def _old_logprobs(self, host: dict[str, np.ndarray]) -> np.ndarray:
+        """The current policy's log-probs of ``host``'s rows, in slices of at most
+        ``rl.microbatch_rows`` rows."""
+        rows = host["tokens"].shape[0]
+        size = rows // self.microbatches(rows) if self.microbatch_rows else rows
+        put = lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x)
+        parts = []
+        for start in range(0, rows, size):
+            batch = {k: put(host[k][start : start + size]) for k in step_lib.BATCH_KEYS}
+            parts.append(np.asarray(jax.device_get(self._logprobs(self.state.variables, batch))))
+        return np.concatenate(parts).astype(np.float32)
 
     @property
     def version(self) -> int:
@@ -234,9 +275,7 @@ class RLTrainer:
         )
         with partitioning.use_mesh(self.mesh, self.rules):
             put = lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x)
-            device = {k: put(v) for k, v in host.items()}
-            old = self._logprobs(self.state.variables, {k: device[k] for k in step_lib.BATCH_KEYS})
-            host["old_logprobs"] = np.asarray(jax.device_get(old), np.float32)
+            host["old_logprobs"] = self._old_logprobs(host)
             rows = host["tokens"].shape[0] // slices
             collected = []
             for i in range(slices):

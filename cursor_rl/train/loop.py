@@ -16,6 +16,7 @@ Checkpoints, metrics and the tokenizer live in the workdir (``cursor_rl.workdir`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -373,11 +374,17 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: Workdir | 
             writer.write(stage, 0, {"eval_loss": last_eval})
         window_start, window_tokens = time.perf_counter(), 0
         pending = []  # metrics dicts (device arrays) since the last log
+        in_flight = collections.deque()  # a result of each step not yet waited for
+        max_in_flight = int(cfg.train.get("max_steps_in_flight", 0))
         step = start_step
         try:
             while step < num_steps:
                 batch = put(next(train_iter))
+                while max_in_flight and len(in_flight) >= max_in_flight:
+                    jax.block_until_ready(in_flight.popleft())
                 state, metrics = train_fn(state, batch)
+                if max_in_flight:
+                    in_flight.append(metrics["loss"])
                 step += 1
                 window_tokens += cfg.train.batch_size * cfg.train.seq_len
                 tokens_seen += cfg.train.batch_size * cfg.train.seq_len

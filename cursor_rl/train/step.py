@@ -128,14 +128,19 @@ def token_stats(
     batch: Batch,
     loss_chunk: int = 0,
     with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
     """Per-position statistics of the next-token distribution, and the model's aux outputs.
 
     Returns ``{"logp": log p(target) [B, T], "log_z": [B, T]}`` (+ ``"entropy"``), all
     float32. With ``loss_chunk`` the vocabulary projection runs over chunks of that
     many positions, each recomputed in backward, so float32 [B, T, V] logits never
-    exist at once (vocabularies of 160K make them the largest activation).
+    exist at once (vocabularies of 160K make them the largest activation). With a
+    ``temperature`` the distribution is ``softmax(logits / temperature)``: the one an
+    RL sampler drew from at that temperature (``cursor_rl.sampler.sampling``).
     """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 (greedy is no distribution)")
     hidden, head, aux = model.hidden_with_aux(
         config,
         {"params": params, "router": router},
@@ -146,6 +151,8 @@ def token_stats(
 
     def stats(h, targets):
         logits = model.project_logits(h, head)
+        if temperature != 1.0:
+            logits = logits / temperature
         log_z = jax.nn.logsumexp(logits, axis=-1)
         target_logit = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
         out = {"logp": target_logit - log_z, "log_z": log_z}
