@@ -89,7 +89,9 @@ def get_config(arg=None):
     # (b) Long context: 4x the sequence length, YaRN factor 4 over the pretraining
     # length (DeepSeek-V3 sec. 4.3 extends the same way), lower learning rate.
     lc = c.stage_overrides.long_context
-    lc.train = dict(seq_len=1024, batch_size=4, num_steps=40, probe_every=20, microbatches=1)
+    # Two microbatches of 2 rows (the same update): the stage peaked at 2.7-3.1 GiB
+    # resident in one pass (2026-12-05).
+    lc.train = dict(seq_len=1024, batch_size=4, num_steps=40, probe_every=20, microbatches=2)
     lc.model = dict(
         # Query chunks of 256 (recomputed in backward) instead of [B, H, T, T] scores:
         # the step's temporaries fall from 1.54 to 0.82 GiB and the process peak from
@@ -141,8 +143,9 @@ def get_config(arg=None):
     rl.tasks_per_step = 4
     rl.train_seq_len = 2048
     # A rollout batch packs into up to 32 rows; one pass over all of them needed ~12 GB
-    # of temporaries at 1024. Passes of 2 rows of 2048, gradients accumulated.
-    rl.microbatch_rows = 2
+    # of temporaries at 1024. Passes of 1 row of 2048, gradients accumulated (the same
+    # update): with passes of 2 rows the stage held 3.7 GiB resident (2026-12-05).
+    rl.microbatch_rows = 1
     rl.tasks.train_count = 256
     rl.tasks.bench_count = 32
     rl.rollout.group_size = 8

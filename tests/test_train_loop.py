@@ -199,3 +199,21 @@ def test_layer_layout_mismatch_names_the_flag_that_fixes_it():
     loop._check_compatible(meta, config, "/ckpt/10")  # same layout: fine
     with pytest.raises(ValueError, match=r"scanned layers .* unscanned.*scan_layers=True"):
         loop._check_compatible(meta, config.replace(scan_layers=False), "/ckpt/10")
+
+
+@pytest.mark.parametrize("release", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_free_memory_is_released_around_evals_and_checkpoints(tmp_path, monkeypatch, release):
+    """train.release_memory: the loop hands the allocator's free pages back after the first
+    logged window and before and after each eval / checkpoint step, not between other
+    steps; off, never."""
+    from cursor_rl import hostmem
+
+    calls = []
+    monkeypatch.setattr(hostmem, "release_free_memory", lambda: calls.append(1))
+    cfg = micro_config(num_steps=7, log_every=2, eval_every=3, release_memory=release)
+    cfg.train.eval_batches = 1
+    cfg.checkpoint.every_steps = 5
+    loop.run_stage(cfg, "pretrain", str(tmp_path / "run"))
+    # Events: step 2 (first window), 3 and 6 (eval), 5 (checkpoint), 7 (the last step),
+    # each released twice (before and after); the other steps (1, 4) not at all.
+    assert len(calls) == (2 * 5 if release else 0)

@@ -36,7 +36,7 @@ import ml_collections
 import numpy as np
 from etils import epath
 
-from cursor_rl import checkpoints, partitioning, stages
+from cursor_rl import checkpoints, hostmem, partitioning, stages
 from cursor_rl.chat import protocol
 from cursor_rl.chat.episodes import Episode
 from cursor_rl.chat.tokenizer import Tokenizer
@@ -443,6 +443,7 @@ def _run_colocated(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]
         steps = int(rl.num_steps)
         if trainer.batches_done == 0 and int(rl.eval.every) >= 0:
             evals.update(_evaluate_before_rl(ctx, sampler_side, writer))
+            _release_memory(ctx)
         row: dict[str, Any] = {}
         while trainer.batches_done < steps:
             index = trainer.batches_done
@@ -450,7 +451,9 @@ def _run_colocated(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]
             if not store.exists(index):
                 episodes, info = sampler_side.rollouts(index)
                 store.write(index, episodes, info)
+                _release_memory(ctx)
             row = _train_on(trainer, ctx, store, index, writer)
+            _release_memory(ctx)
             progress.update(
                 trainer.batches_done,
                 {k: row.get(k) for k in ("reward", "pass@1", "generated_tokens", "policy_loss")},
@@ -459,6 +462,7 @@ def _run_colocated(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]
             if every > 0 and trainer.batches_done % every == 0 and trainer.batches_done < steps:
                 sampler_side.load_newest(trainer.version)
                 sampler_side.evaluate("rl", trainer.batches_done, writer)
+                _release_memory(ctx)
         sampler_side.load_newest(trainer.version)
         if int(rl.eval.every) >= 0:
             evals["after"] = sampler_side.evaluate("rl", trainer.batches_done, writer)
@@ -474,6 +478,12 @@ def _run_colocated(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]
         "wall_s": time.time() - start,
         **evals,
     }
+
+
+def _release_memory(ctx: _Context) -> None:
+    """Between the sampler's and the trainer's phases (config_lib: train.release_memory)."""
+    if ctx.cfg.train.release_memory:
+        hostmem.release_free_memory()
 
 
 def _evaluate_before_rl(ctx: _Context, side: _SamplerSide, writer) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from cursor_rl import bases, checkpoints, model, partitioning, stages
+from cursor_rl import bases, checkpoints, hostmem, model, partitioning, stages
 from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.data import pipeline
 from cursor_rl.model.config import ModelConfig
@@ -389,6 +389,19 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: Workdir | 
                 window_tokens += cfg.train.batch_size * cfg.train.seq_len
                 tokens_seen += cfg.train.batch_size * cfg.train.seq_len
                 pending.append(metrics)
+                # config_lib: train.release_memory. Before an eval, probe or checkpoint
+                # (they then grow from the floor, not on top of the step's free block)
+                # and after it (what they left inside that block).
+                release_now = cfg.train.release_memory and (
+                    step - start_step == cfg.train.log_every  # compiled, first window done
+                    or step % cfg.checkpoint.every_steps == 0
+                    or step == num_steps
+                    or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
+                    or (probe_every and step % probe_every == 0)
+                )
+                if release_now:
+                    jax.block_until_ready(metrics["loss"])
+                    hostmem.release_free_memory()
                 if step % cfg.train.log_every == 0 or step == num_steps:
                     host = jax.device_get(pending)
                     elapsed = time.perf_counter() - window_start
@@ -431,6 +444,8 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: Workdir | 
                         train_iter,
                         {**metadata, "step": step},
                     )
+                if release_now:
+                    hostmem.release_free_memory()
                 if stop:
                     manager.wait()
                     raise Preempted(f"[{stage}] SIGTERM: checkpoint {step} written")
