@@ -143,9 +143,9 @@ def get_config(arg=None):
     rl.tasks_per_step = 4
     rl.train_seq_len = 2048
     # A rollout batch packs into up to 32 rows; one pass over all of them needed ~12 GB
-    # of temporaries at 1024. Passes of 1 row of 2048, gradients accumulated (the same
-    # update): with passes of 2 rows the stage held 3.7 GiB resident (2026-12-05).
-    rl.microbatch_rows = 1
+    # of temporaries at 1024. Passes of 2 rows of 2048, gradients accumulated (passes of
+    # 1 row left the stage's 3.7 GiB peak unchanged, 2026-12-06).
+    rl.microbatch_rows = 2
     rl.tasks.train_count = 256
     rl.tasks.bench_count = 32
     rl.rollout.group_size = 8
