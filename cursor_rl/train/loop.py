@@ -389,20 +389,24 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: Workdir | 
                 window_tokens += cfg.train.batch_size * cfg.train.seq_len
                 tokens_seen += cfg.train.batch_size * cfg.train.seq_len
                 pending.append(metrics)
+                last = step == num_steps
+                log_due = step % cfg.train.log_every == 0 or last
+                eval_due = bool(cfg.train.eval_every) and (step % cfg.train.eval_every == 0 or last)
+                probe_due = log_due and bool(probe_every) and (step % probe_every == 0 or last)
                 # config_lib: train.release_memory. Before an eval, probe or checkpoint
                 # (they then grow from the floor, not on top of the step's free block)
                 # and after it (what they left inside that block).
                 release_now = cfg.train.release_memory and (
                     step - start_step == cfg.train.log_every  # compiled, first window done
+                    or eval_due
+                    or probe_due
                     or step % cfg.checkpoint.every_steps == 0
-                    or step == num_steps
-                    or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
-                    or (probe_every and step % probe_every == 0)
+                    or last
                 )
                 if release_now:
                     jax.block_until_ready(metrics["loss"])
                     hostmem.release_free_memory()
-                if step % cfg.train.log_every == 0 or step == num_steps:
+                if log_due:
                     host = jax.device_get(pending)
                     elapsed = time.perf_counter() - window_start
                     row = {k: float(np.mean([m[k] for m in host])) for k in host[-1]}
@@ -413,11 +417,9 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: Workdir | 
                     row["mfu"] = flops_per_token * row["tokens_per_s"] / peak
                     row["tokens"] = tokens_seen
                     last_loss = row["ce_loss"]
-                    if cfg.train.eval_every and (
-                        step % cfg.train.eval_every == 0 or step == num_steps
-                    ):
+                    if eval_due:
                         row["eval_loss"] = last_eval = evaluate()
-                    if probe_every and (step % probe_every == 0 or step == num_steps):
+                    if probe_due:
                         row["copy_probe"] = last_probe = probe()
                     writer.write(stage, step, row)
                     progress.update(
@@ -432,11 +434,11 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: Workdir | 
                     )
                     pending = []
                     window_start, window_tokens = time.perf_counter(), 0
-                elif cfg.train.eval_every and step % cfg.train.eval_every == 0:
+                elif eval_due:
                     last_eval = evaluate()
                     writer.write(stage, step, {"eval_loss": last_eval})
                 stop = _agree(preempted())
-                if step % cfg.checkpoint.every_steps == 0 or step == num_steps or stop:
+                if step % cfg.checkpoint.every_steps == 0 or last or stop:
                     manager.save(
                         step,
                         state.variables,
