@@ -184,7 +184,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.probe_every = 0  # log the copy probe (cursor_rl.train.copy_probe) every N steps
     # Return the host allocator's free pages to the system (hostmem.release_free_memory)
     # after a stage's first logged window (the compiler's scratch is free by then) and
-    # after each eval, probe or checkpoint; in RL after each rollout, update and eval.
+    # before and after each eval, probe or checkpoint; in RL after each rollout batch,
+    # update and eval.
     # What runs between two steps lands in the span the step's temporaries freed, so
     # the next step takes a fresh block and a caching allocator (tcmalloc) keeps both
     # resident: the same stage peaked 0.5 GiB higher in one run than in another.

@@ -10,7 +10,7 @@ import time
 import jax
 import pytest
 
-from cursor_rl import checkpoints
+from cursor_rl import checkpoints, hostmem
 from cursor_rl.train import loop, metrics
 from cursor_rl.workdir import Workdir
 from tests.train_helpers import micro_config
@@ -206,8 +206,6 @@ def test_free_memory_is_released_around_evals_and_checkpoints(tmp_path, monkeypa
     """train.release_memory: the loop hands the allocator's free pages back after the first
     logged window and before and after each eval / checkpoint step, not between other
     steps; off, never."""
-    from cursor_rl import hostmem
-
     calls = []
     monkeypatch.setattr(hostmem, "release_free_memory", lambda: calls.append(1))
     cfg = micro_config(num_steps=7, log_every=2, eval_every=3, release_memory=release)
