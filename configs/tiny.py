@@ -143,9 +143,10 @@ def get_config(arg=None):
     rl.tasks_per_step = 4
     rl.train_seq_len = 2048
     # A rollout batch packs into up to 32 rows; one pass over all of them needed ~12 GB
-    # of temporaries at 1024. Passes of 2 rows of 2048, gradients accumulated (passes of
-    # 1 row left the stage's 3.7 GiB peak unchanged, 2026-12-06).
-    rl.microbatch_rows = 2
+    # of temporaries at 1024. Passes of 1 row of 2048, gradients accumulated: the
+    # update's XLA temporaries are 487 MiB instead of 865 at 2 rows, for ~18% of the
+    # update's time (106 s instead of 90 in 10 steps, 2026-12-06).
+    rl.microbatch_rows = 1
     rl.tasks.train_count = 256
     rl.tasks.bench_count = 32
     rl.rollout.group_size = 8
@@ -174,6 +175,12 @@ def get_config(arg=None):
     rl.reward.max_tool_calls = 8
     rl.sampler.num_slots = 32
     rl.sampler.max_seq_len = 2048
+    # Prefill calls of at most 1,024 padded tokens (4 chunks of 256). When all 32 slots
+    # prefilled a tool output in one call, it grew the process by 1.19 GiB and the
+    # stage peaked at 3.81 GiB; split in calls of 1,024 the same burst grows it by 0.15
+    # GiB and runs faster, 7,720 tok/s instead of 6,277
+    # (benchmarks/prefill_memory_bench.py, 2026-12-06).
+    rl.sampler.prefill_tokens = 1024
     rl.eval.every = 0
     rl.eval.num_tasks = 32  # every bench task: 32 tasks x 4 samples for the intervals
     rl.eval.samples = 4

@@ -107,6 +107,13 @@ def _rl_defaults() -> ml_collections.ConfigDict:
     rl.sampler = ml_collections.ConfigDict()
     rl.sampler.num_slots = 16
     rl.sampler.max_seq_len = 4096
+    # Compiled prefill and decode programs kept per kind, one per shape bucket, the
+    # least recently used dropped past it (0: keep all). On XLA:CPU each holds ~25 MB
+    # of host memory (sampler/engine.py note 6).
+    rl.sampler.max_programs = 0
+    # Padded tokens (rows x chunk length) per prefill call, more rows split over
+    # several calls (vLLM's max_num_batched_tokens); 0: no cap (sampler/engine.py note 5).
+    rl.sampler.prefill_tokens = 8192
     rl.sampler.mesh = ml_collections.ConfigDict()  # axis sizes; empty: the default device
     rl.eval = ml_collections.ConfigDict()
     rl.eval.every = 10  # RL steps between held-out evals (0: before and after only; -1: none)

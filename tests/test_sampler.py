@@ -159,6 +159,40 @@ def test_greedy_equals_full_forward(sampler, variables):
         _check_against_forward(variables, prompt, completion)
 
 
+def test_prefill_token_cap_splits_calls_and_keeps_tokens(variables):
+    """prefill_tokens=16 admits one row of a 16-token chunk (the tests' prefill_chunk)
+    per call: prefills that would batch both slots are split, and the tokens are still
+    greedy decoding against the full forward."""
+    capped = Sampler(CONFIG, variables, prefill_tokens=16, **SAMPLER_OPTIONS)
+    calls = []
+    engine_prefill = capped.engine.prefill
+    capped.engine.prefill = lambda rows: calls.append(len(rows)) or engine_prefill(rows)
+    completions = capped.generate(PROMPTS, SamplingParams(max_new_tokens=20))
+    for prompt, completion in zip(PROMPTS, completions):
+        _check_against_forward(variables, prompt, completion)
+    assert calls and max(calls) == 1
+    # Uncapped, the same prompts prefill two rows in one call.
+    uncapped = Sampler(CONFIG, variables, **SAMPLER_OPTIONS)
+    calls.clear()
+    engine_prefill = uncapped.engine.prefill
+    uncapped.engine.prefill = lambda rows: calls.append(len(rows)) or engine_prefill(rows)
+    uncapped.generate(PROMPTS, SamplingParams(max_new_tokens=20))
+    assert max(calls) == 2
+
+
+def test_bounded_programs_drop_and_rebuild_shapes(variables):
+    """With max_programs=1 each kind keeps one compiled shape: generating needs several
+    (prefill rows and lengths, decode widths), so the older ones are dropped, and the
+    tokens are still greedy decoding against the full forward."""
+    bounded = Sampler(CONFIG, variables, max_programs=1, **SAMPLER_OPTIONS)
+    completions = bounded.generate(PROMPTS, SamplingParams(max_new_tokens=20))
+    for prompt, completion in zip(PROMPTS, completions):
+        _check_against_forward(variables, prompt, completion)
+    prefill, decode = bounded.engine._prefill, bounded.engine._decode
+    assert (len(prefill), len(decode)) == (1, 1)
+    assert prefill.compiles > 1 and decode.compiles > 1  # several shapes were built
+
+
 @pytest.mark.slow
 def test_mixed_lengths_equal_rows_alone(sampler):
     params = SamplingParams(max_new_tokens=9, temperature=0.8, seed=4)

@@ -260,6 +260,8 @@ def _sampler(ctx: _Context):
         mesh=mesh,
         num_slots=int(s.num_slots),
         max_seq_len=int(s.max_seq_len),
+        max_programs=int(s.max_programs),
+        prefill_tokens=int(s.prefill_tokens),
         tokenizer=ctx.tokenizer,
     )
 
@@ -463,17 +465,22 @@ def _run_colocated(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]
                 sampler_side.load_newest(trainer.version)
                 sampler_side.evaluate("rl", trainer.batches_done, writer)
                 _release_memory(ctx)
-        sampler_side.load_newest(trainer.version)
+        done, version = trainer.batches_done, trainer.version
+        sampler_side.load_newest(version)
+        # The last eval needs only the sampler: the trainer's state and compiled
+        # programs go first (the stage's peak was in this eval, 2026-12-06).
+        trainer.close()
+        _release_memory(ctx)
         if int(rl.eval.every) >= 0:
-            evals["after"] = sampler_side.evaluate("rl", trainer.batches_done, writer)
+            evals["after"] = sampler_side.evaluate("rl", done, writer)
         store.mark_done()
     finally:
         progress.finish()
         sampler_side.close()
         trainer.close()
     return {
-        "steps": trainer.batches_done,
-        "policy_version": trainer.version,
+        "steps": done,
+        "policy_version": version,
         "reward": row.get("reward"),
         "wall_s": time.time() - start,
         **evals,

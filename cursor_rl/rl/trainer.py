@@ -319,5 +319,13 @@ class RLTrainer:
         self.manager.wait()
 
     def close(self) -> None:
+        """Closes the checkpoint managers and lets go of the state and the compiled
+        update programs (the loop closes the trainer before its last eval, which needs
+        only the sampler); idempotent."""
+        if self.state is None:
+            return
         self.manager.close()
         self.policies.close()
+        self.state = None
+        self._updates.clear()
+        self._logprobs = None

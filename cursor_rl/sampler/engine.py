@@ -28,10 +28,18 @@ Design choices:
    the tokenizer and are checked on the host between calls.
 5. **Chunked prefill, several sequences per call.** Uncached tokens go through in
    chunks of at most ``prefill_chunk`` tokens; the chunk that ends a sequence's
-   input also samples the turn's first token in the same program.
-6. **Bucketed shapes.** Page-table widths, prefill rows and chunk lengths are
-   rounded up to powers of two, so a handful of compilations serve every mix of
-   lengths; padding is computed but never written to the cache.
+   input also samples the turn's first token in the same program. ``prefill_tokens``
+   caps a call's padded tokens (rows x chunk length, like vLLM's
+   ``max_num_batched_tokens``): a call's attention temporaries grow with rows x
+   length x cached width, and on the tiny config 32 rows of 256 at a 2,048-token
+   width took 1.16 GB for 1.47 s where four calls of 8 rows took 0.29 GB each for
+   the same time (2026-12-06).
+6. **Bucketed shapes, a bounded set of programs.** Page-table widths, prefill rows
+   and chunk lengths are rounded up to powers of two; padding is computed but never
+   written to the cache. The buckets still multiply (an RL run on the tiny config
+   compiled ~40 prefill and decode programs), and on XLA:CPU each compiled program
+   holds ~25 MB of host memory, so ``max_programs`` bounds how many are kept: past
+   it the least recently used shape is dropped (and compiled again if it returns).
 7. **Sharding on the sampler's own mesh.** Rows (slots, prefill rows) and pages are
    split over the ``cache_batch`` axes; a row only uses pages of its own shard
    (local page ids), so the data-dependent gather stays on-device
@@ -49,10 +57,11 @@ Design choices:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -142,6 +151,8 @@ class Engine:
         num_pages: int | None = None,
         decode_steps: int = 32,
         prefill_chunk: int = 256,
+        prefill_tokens: int = 0,
+        max_programs: int = 0,
     ):
         self.config = config.validate()
         self.mesh, self.rules = mesh, rules
@@ -149,6 +160,7 @@ class Engine:
         self.page_size = page_size
         self.decode_steps = decode_steps
         self.prefill_chunk = prefill_chunk
+        self.prefill_tokens = prefill_tokens  # per call, padded (0: no cap; the scheduler splits)
         self.row_shards = 1
         if mesh is not None:
             spec = partitioning.logical_to_spec(("cache_batch",), rules)[0]
@@ -170,9 +182,10 @@ class Engine:
             )
         self.cache = kv_cache.init_cache(config, num_pages, page_size, mesh, rules)
         self.variables: dict[str, Any] | None = None
-        limits = (self.max_seq_len, decode_steps)
-        self._prefill = _compiled(config, mesh, rules, "prefill", *limits)
-        self._decode = _compiled(decode_variant(config), mesh, rules, "decode", *limits)
+        # Prefill and decode each keep up to max_programs compiled shapes (0: all).
+        limits = (self.max_seq_len, decode_steps, max_programs)
+        self._prefill = _programs(config, mesh, rules, "prefill", *limits)
+        self._decode = _programs(decode_variant(config), mesh, rules, "decode", *limits)
 
     # ---- weights ----------------------------------------------------------------
 
@@ -209,6 +222,11 @@ class Engine:
         pages = -(-needed_positions // self.page_size)
         return _bucket(pages, 1, self.max_pages)
 
+    def chunk_length(self, tokens: int) -> int:
+        """The padded length of a prefill call whose longest chunk has ``tokens``."""
+        # Chunks shorter than 32 tokens share one program: their cost is dispatch, not FLOPs.
+        return _bucket(tokens, 32, self.prefill_chunk)
+
     def prefill(self, rows: Sequence[PrefillRow]) -> list[tuple[int, float] | None]:
         """Writes one chunk per row into the cache; samples where ``spec`` is given.
 
@@ -219,8 +237,7 @@ class Engine:
         for r in rows:
             per_shard[r.shard] += 1
         rows_per_shard = _bucket(max(per_shard), 1, self.num_slots // self.row_shards)
-        # Chunks shorter than 32 tokens share one program: their cost is dispatch, not FLOPs.
-        length = _bucket(max(len(r.tokens) for r in rows), 32, self.prefill_chunk)
+        length = self.chunk_length(max(len(r.tokens) for r in rows))
         width = self._width(max(r.start + len(r.tokens) for r in rows))
         b = rows_per_shard * self.row_shards
         tokens = np.zeros((b, length), np.int32)
@@ -244,7 +261,8 @@ class Engine:
             specs[i] = r.spec
             index.append(i)
         step = kv_cache.CachedStep(positions, valid, page_table, last)
-        self.cache, (token, logprob) = self._run(self._prefill, tokens, step, _row_sampling(specs))
+        program = self._prefill.get((b, length, width))
+        self.cache, (token, logprob) = self._run(program, tokens, step, _row_sampling(specs))
         token, logprob = np.asarray(token), np.asarray(logprob)
         return [
             None if r.spec is None else (int(token[i]), float(logprob[i]))
@@ -276,7 +294,7 @@ class Engine:
         for i, d in slots.items():
             stop_ids[i, : len(d.spec.stop_ids)] = d.spec.stop_ids
         self.cache, (final, out_tokens, out_logprobs) = self._run(
-            self._decode,
+            self._decode.get((width, num_stops)),
             state,
             page_table,
             _row_sampling(specs),
@@ -331,28 +349,60 @@ def decode_variant(config: ModelConfig) -> ModelConfig:
     return config
 
 
+class _Programs:
+    """One kind's compiled programs by argument-shape bucket, the least recently used
+    dropped past ``limit`` (0: none dropped). Each bucket gets its own ``jax.jit`` of a
+    fresh closure, so dropping it drops its executable from JAX's caches too (a shape of
+    one shared jitted function would stay cached for the life of the function)."""
+
+    def __init__(self, make: Callable[[], Callable], limit: int):
+        self._make = make
+        self._by_shape: collections.OrderedDict[tuple, Callable] = collections.OrderedDict()
+        self.limit = limit
+        self.compiles = 0  # programs built, a dropped shape counted again when rebuilt
+
+    def get(self, shape: tuple) -> Callable:
+        program = self._by_shape.pop(shape, None)
+        if program is None:
+            program = self._make()
+            self.compiles += 1
+            while self.limit and len(self._by_shape) >= self.limit:
+                self._by_shape.popitem(last=False)
+        self._by_shape[shape] = program
+        return program
+
+    def __len__(self) -> int:
+        return len(self._by_shape)
+
+
 @functools.cache
-def _compiled(config, mesh, rules, kind: str, max_seq_len: int, decode_steps: int):
-    """The jitted program, shared by engines of the same model, mesh and limits.
+def _programs(
+    config, mesh, rules, kind: str, max_seq_len: int, decode_steps: int, max_programs: int
+) -> _Programs:
+    """The jitted programs, shared by engines of the same model, mesh and limits.
 
     Arguments are (variables, cache, *row_args[, num_steps]); each row argument is a
     pytree whose leaves all lead with the row axis. The cache is donated.
     """
-    if kind == "prefill":
-        program, row_args, scalar_args = _prefill_program(config), 3, 0
-    else:
-        program = _decode_program(config, max_seq_len, decode_steps)
-        row_args, scalar_args = 4, 1
-    if mesh is None:
-        return jax.jit(program, donate_argnums=(1,))
-    row = partitioning.logical_sharding(("cache_batch",), mesh, rules)
-    cache = kv_cache.cache_shardings(config, mesh, rules)
-    variables = weights.variable_shardings(config, mesh, rules)
-    replicated = partitioning.replicated(mesh)
-    in_shardings = (variables, cache) + (row,) * row_args + (replicated,) * scalar_args
-    return jax.jit(
-        program, in_shardings=in_shardings, out_shardings=(cache, row), donate_argnums=(1,)
-    )
+
+    def make():
+        if kind == "prefill":
+            program, row_args, scalar_args = _prefill_program(config), 3, 0
+        else:
+            program = _decode_program(config, max_seq_len, decode_steps)
+            row_args, scalar_args = 4, 1
+        if mesh is None:
+            return jax.jit(program, donate_argnums=(1,))
+        row = partitioning.logical_sharding(("cache_batch",), mesh, rules)
+        cache = kv_cache.cache_shardings(config, mesh, rules)
+        variables = weights.variable_shardings(config, mesh, rules)
+        replicated = partitioning.replicated(mesh)
+        in_shardings = (variables, cache) + (row,) * row_args + (replicated,) * scalar_args
+        return jax.jit(
+            program, in_shardings=in_shardings, out_shardings=(cache, row), donate_argnums=(1,)
+        )
+
+    return _Programs(make, max_programs)
 
 
 def _prefill_program(config: ModelConfig):

@@ -69,6 +69,10 @@ class Sampler:
         of ``max_seq_len``.
       decode_steps: decode steps per compiled call.
       prefill_chunk: longest prefill chunk per sequence and call.
+      prefill_tokens: most padded tokens (rows x chunk length) per prefill call; more
+        rows are split over several calls (0: no cap; engine.py note 5).
+      max_programs: compiled prefill (and decode) shapes kept, least recently used
+        dropped past it; 0 keeps all (engine.py note 6).
       refresh_cache_on_swap: recompute cached prefixes after a weight swap.
       scan_layers: the layout the sampler keeps the weights in (whatever layout
         they come in). Unscanned by default, as MaxText decodes: under a scan
@@ -90,6 +94,8 @@ class Sampler:
         num_pages: int | None = None,
         decode_steps: int = 32,
         prefill_chunk: int = 256,
+        prefill_tokens: int = 0,
+        max_programs: int = 0,
         refresh_cache_on_swap: bool = True,
         scan_layers: bool = False,
     ):
@@ -106,6 +112,8 @@ class Sampler:
             num_pages=num_pages,
             decode_steps=decode_steps,
             prefill_chunk=prefill_chunk,
+            prefill_tokens=prefill_tokens,
+            max_programs=max_programs,
         )
         self._scheduler = Scheduler(self.engine, tokenizer.decode if tokenizer else None)
         self._backlog: list[tuple[Session, Completion]] = []
