@@ -14,13 +14,13 @@ the real CPU device). Model: 7.4M parameters (3.9M active), hidden 256, 4 layers
 (1 dense + 3 MoE with 8 routed experts top-2 and 1 shared), MLA with a 64-wide KV
 latent, vocabulary 2048 (byte-level BPE trained on the corpus).
 
-Expected result (2 nearly quiet CPU cores, from the shipped base, seed 0, 2026-12-06, run
-E10 in docs/learning.md section 6): exit 0 in ~34 minutes including the install; pretrain
-150 steps (held-out loss 2.674 -> 2.668, copy probe 0.999), long-context 40 steps (2.283 ->
+Expected result (2 quiet CPU cores, from the shipped base, seed 0, 2026-12-06, run E11
+in docs/learning.md section 6): exit 0 in ~32 minutes including the install; pretrain 150
+steps (held-out loss 2.674 -> 2.668, copy probe 0.999), long-context 40 steps (2.283 ->
 2.220), SFT 300 steps on 256 scripted demonstrations (3.65 -> 0.064, copy probe 0.90),
 held-out pass@1 (32 tasks x 4 samples, temperature 0.6) base 0.000, SFT 0.047 [0.000,
 0.109], RL 10 steps at lr 2e-5 0.023 [0.000, 0.062]; seed 1: 0.000 / 0.039 / 0.047. Peak
-RSS per stage 2.24 / 2.79 / 2.61 / 3.71 GiB. RL raising held-out pass@1 by 10 points is
+RSS per stage 2.23 / 2.20 / 2.41 / 2.72 GiB. RL raising held-out pass@1 by 10 points is
 not shown yet (issue 18).
 """
 

@@ -230,7 +230,7 @@ def test_partial_credit_and_registry():
         rewards.RewardConfig.from_mapping({"lenght_penalty": 1.0})
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.5])
+@pytest.mark.parametrize("temperature", [pytest.param(1.0, marks=pytest.mark.slow), 0.5])
 def test_logprobs_score_the_tempered_distribution(temperature):
     # What a sampler at this temperature reports: log softmax(logits / T) of the target.
     variables = model.init(MICRO_MODEL, jax.random.key(0))

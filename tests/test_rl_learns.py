@@ -143,6 +143,7 @@ def test_flipped_advantages_do_not_learn(init_checkpoint, tmp_path):
     assert np.mean(sampled[-5:]) <= CHANCE + 0.05
 
 
+@pytest.mark.slow
 def test_microbatch_rows_cap_each_pass_and_keep_the_update(init_checkpoint, tmp_path):
     """rl.microbatch_rows: a batch of 16 rows updates in 2 passes of 8 rows (and its old
     log-probs in slices of 8), to the same parameters as one pass of 16 rows (8 is the

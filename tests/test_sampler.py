@@ -159,6 +159,7 @@ def test_greedy_equals_full_forward(sampler, variables):
         _check_against_forward(variables, prompt, completion)
 
 
+@pytest.mark.slow
 def test_prefill_token_cap_splits_calls_and_keeps_tokens(variables):
     """prefill_tokens=16 admits one row of a 16-token chunk (the tests' prefill_chunk)
     per call: prefills that would batch both slots are split, and the tokens are still
@@ -180,6 +181,7 @@ def test_prefill_token_cap_splits_calls_and_keeps_tokens(variables):
     assert max(calls) == 2
 
 
+@pytest.mark.slow
 def test_bounded_programs_drop_and_rebuild_shapes(variables):
     """With max_programs=1 each kind keeps one compiled shape: generating needs several
     (prefill rows and lengths, decode widths), so the older ones are dropped, and the

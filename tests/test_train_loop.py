@@ -201,7 +201,8 @@ def test_layer_layout_mismatch_names_the_flag_that_fixes_it():
         loop._check_compatible(meta, config.replace(scan_layers=False), "/ckpt/10")
 
 
-@pytest.mark.parametrize("release", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("release", [True, False])
 def test_free_memory_is_released_around_evals_and_checkpoints(tmp_path, monkeypatch, release):
     """train.release_memory: the loop hands the allocator's free pages back after the first
     logged window and before and after each eval / checkpoint step, not between other
