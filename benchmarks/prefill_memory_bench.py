@@ -7,8 +7,8 @@ One engine of the tiny config (``configs/tiny.py``, chunked attention as in its 
 stage; random weights: memory and speed do not depend on them) and ``--rows``
 sequences that each prefill a full chunk (256 tokens) at position ``--start``, the
 burst an RL step or eval makes when every slot's tool output comes back at once. For
-each cap (``prefill_tokens``, 0: none) the rows go through the scheduler's split
-(``Scheduler._prefill_calls``) and the engine; printed per cap: calls, the growth of
+each cap (``prefill_tokens``, 0: none) the engine splits the rows into calls
+(``Engine.prefill_calls``); printed per cap: calls, the growth of
 resident memory during the burst over the steady state before it (the process's
 high-water mark, ``cursor_rl/hostmem.py``), and prefill tokens/s (best of
 ``--repeats``, compilation excluded). One process, caps one after another, each
@@ -36,7 +36,6 @@ from configs import tiny
 from cursor_rl import hostmem
 from cursor_rl.model import transformer
 from cursor_rl.sampler import engine as engine_lib
-from cursor_rl.sampler.scheduler import Scheduler
 
 
 def main():
@@ -49,7 +48,6 @@ def main():
     config = tiny.MODEL.replace(attention_impl="chunked", attention_chunk_size=256)
     engine = engine_lib.Engine(config, num_slots=args.rows, max_seq_len=2048)
     engine.set_variables(transformer.init(config, jax.random.key(0)))
-    scheduler = Scheduler(engine)
     spec = engine_lib.TurnSpec((1, 2), 0.6, 1.0, 0, (5,))
     pages = engine.max_pages
     rows = [
@@ -60,11 +58,8 @@ def main():
     ]
 
     def burst():
-        calls = 0
-        for group in scheduler._prefill_calls(rows):
-            engine.prefill(group)
-            calls += 1
-        return calls
+        engine.prefill(rows)
+        return len(engine.prefill_calls(rows))
 
     print(
         f"jax {jax.__version__}, allocator {host_malloc.preloaded() or 'glibc'}, "

@@ -166,8 +166,8 @@ def test_prefill_token_cap_splits_calls_and_keeps_tokens(variables):
     greedy decoding against the full forward."""
     capped = Sampler(CONFIG, variables, prefill_tokens=16, **SAMPLER_OPTIONS)
     calls = []
-    engine_prefill = capped.engine.prefill
-    capped.engine.prefill = lambda rows: calls.append(len(rows)) or engine_prefill(rows)
+    engine_call = capped.engine._prefill_call
+    capped.engine._prefill_call = lambda rows: calls.append(len(rows)) or engine_call(rows)
     completions = capped.generate(PROMPTS, SamplingParams(max_new_tokens=20))
     for prompt, completion in zip(PROMPTS, completions):
         _check_against_forward(variables, prompt, completion)
@@ -175,8 +175,8 @@ def test_prefill_token_cap_splits_calls_and_keeps_tokens(variables):
     # Uncapped, the same prompts prefill two rows in one call.
     uncapped = Sampler(CONFIG, variables, **SAMPLER_OPTIONS)
     calls.clear()
-    engine_prefill = uncapped.engine.prefill
-    uncapped.engine.prefill = lambda rows: calls.append(len(rows)) or engine_prefill(rows)
+    engine_call = uncapped.engine._prefill_call
+    uncapped.engine._prefill_call = lambda rows: calls.append(len(rows)) or engine_call(rows)
     uncapped.generate(PROMPTS, SamplingParams(max_new_tokens=20))
     assert max(calls) == 2
 

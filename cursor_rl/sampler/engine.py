@@ -160,7 +160,7 @@ class Engine:
         self.page_size = page_size
         self.decode_steps = decode_steps
         self.prefill_chunk = prefill_chunk
-        self.prefill_tokens = prefill_tokens  # per call, padded (0: no cap; the scheduler splits)
+        self.prefill_tokens = prefill_tokens  # per compiled call, padded (0: no cap)
         self.row_shards = 1
         if mesh is not None:
             spec = partitioning.logical_to_spec(("cache_batch",), rules)[0]
@@ -229,10 +229,32 @@ class Engine:
 
     def prefill(self, rows: Sequence[PrefillRow]) -> list[tuple[int, float] | None]:
         """Writes one chunk per row into the cache; samples where ``spec`` is given.
+        The rows go through in the calls of ``prefill_calls``.
 
         Returns:
           Per row, (token, log-prob) of the sampled token, or None.
         """
+        results = []
+        for call in self.prefill_calls(rows):
+            results += self._prefill_call(call)
+        return results
+
+    def prefill_calls(self, rows: Sequence[PrefillRow]) -> list[list[PrefillRow]]:
+        """``rows`` in order, split into calls of at most ``prefill_tokens`` padded
+        tokens (rows x the call's chunk length; note 5); a row alone may exceed it."""
+        calls: list[list[PrefillRow]] = []
+        call: list[PrefillRow] = []
+        longest = 0
+        for row in rows:
+            length = self.chunk_length(max(longest, len(row.tokens)))
+            if call and self.prefill_tokens and (len(call) + 1) * length > self.prefill_tokens:
+                calls.append(call)
+                call, longest = [], 0
+            call.append(row)
+            longest = max(longest, len(row.tokens))
+        return [*calls, call] if call else calls
+
+    def _prefill_call(self, rows: Sequence[PrefillRow]) -> list[tuple[int, float] | None]:
         per_shard = [0] * self.row_shards
         for r in rows:
             per_shard[r.shard] += 1

@@ -238,9 +238,7 @@ class Scheduler:
                 is_last = s._cached + len(tokens) == len(s._tokens)
                 spec = self._spec(s) if is_last else None
                 rows.append(engine_lib.PrefillRow(s._shard, tokens, s._cached, s._pages, spec))
-            results = []
-            for group in self._prefill_calls(rows):
-                results += self.engine.prefill(group)
+            results = self.engine.prefill(rows)
             self.stats["prefill_tokens"] += sum(len(r.tokens) for r in rows)
             still = []
             for s, row, result in zip(pending, rows, results):
@@ -250,22 +248,6 @@ class Scheduler:
                 else:
                     self._accept(s, [result[0]], [result[1]], None, finished)
             pending = still
-
-    def _prefill_calls(self, rows: list[engine_lib.PrefillRow]):
-        """``rows`` in order, split into calls of at most ``engine.prefill_tokens``
-        padded tokens (rows x the call's chunk length); a row alone may exceed it."""
-        budget = self.engine.prefill_tokens
-        group: list[engine_lib.PrefillRow] = []
-        longest = 0
-        for row in rows:
-            length = self.engine.chunk_length(max(longest, len(row.tokens)))
-            if group and budget and (len(group) + 1) * length > budget:
-                yield group
-                group, longest = [], 0
-            group.append(row)
-            longest = max(longest, len(row.tokens))
-        if group:
-            yield group
 
     def _decode(self, finished) -> None:
         budget = {
