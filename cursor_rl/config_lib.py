@@ -86,6 +86,10 @@ def _rl_defaults() -> ml_collections.ConfigDict:
     rl.role = "colocated"  # colocated | trainer | sampler (two programs, see rl/loop.py)
     rl.num_steps = 20  # GRPO updates (= policy versions)
     rl.tasks_per_step = 8  # task groups per rollout batch
+    # Dynamic sampling (DAPO, Yu et al. 2025): a rollout batch samples further rounds
+    # of tasks_per_step new tasks until tasks_per_step of its groups have reward
+    # variance (the only groups GRPO learns from), at most this many rounds; 1: off.
+    rl.sample_rounds = 1
     rl.updates_per_batch = 1  # optimizer steps per rollout batch (slices of its rows)
     rl.microbatches = 1
     # Rows per forward/backward pass (0: no cap). A rollout batch's row count varies
@@ -133,6 +137,10 @@ def _rl_defaults() -> ml_collections.ConfigDict:
     rl.tasks.bench = ""
     rl.tasks.family = "tiny"
     rl.tasks.train_count = 256
+    # RL draws only from the training tasks SFT has no demonstration of (the first
+    # sft_data.demos are demonstrated): GRPO's reward then measures the skill, not
+    # recall of demonstrated modules (docs/learning.md section 7).
+    rl.tasks.skip_demonstrated = False
     rl.tasks.bench_count = 64
     rl.tasks.build_seed = 0
     rl.tasks.generators = ()  # generator names to build with (empty: all registered)

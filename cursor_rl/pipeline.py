@@ -60,8 +60,9 @@ def prepare_sft_data(
     """Generates the run's SFT demonstrations (``sft_data``) if wanted; returns the config
     whose SFT stage reads them.
 
-    The scripted solver runs on the run's training tasks (the RL stage's datasets,
-    built now if needed) in the real harness, with the run's system prompt and tool
+    The scripted solver runs on the first ``sft_data.demos`` of the run's training tasks
+    (the RL stage's datasets, built now if needed; ``rl.tasks.skip_demonstrated`` keeps
+    RL off them) in the real harness, with the run's system prompt and tool
     listing, so SFT teaches exactly the episode format RL samples in. The data
     pipeline reads the file locally: with a remote workdir it is written to the local
     cache and copied to the workdir (and back, for a job restarted elsewhere).

@@ -8,20 +8,24 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
 import pytest
 from rl_micro_config import MODEL
+from test_tasks_records import make_record
 
-from cursor_rl import checkpoints, model
+from cursor_rl import checkpoints, config_lib, model
 from cursor_rl.chat import protocol
 from cursor_rl.chat.episodes import Episode
 from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.rl import grpo, rewards
+from cursor_rl.rl import loop as rl_loop
 from cursor_rl.rl.loop import RolloutStore, score_groups
 from cursor_rl.rl.trainer import build_batch
 from cursor_rl.sampler import Sampler, SamplingParams
+from cursor_rl.tasks import records
 from cursor_rl.workdir import Workdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,6 +113,85 @@ def test_score_groups_counts_self_summarised_episodes(tokenizer):
         e.summary_tokens.clear()
     _, _, metrics = score_groups(episodes, rewards.RewardConfig(), grpo.GRPOConfig())
     assert metrics["summarised_episodes"] == 0 and "summarised_reward" not in metrics
+
+
+class _ScriptedRunner:
+    """Stands in for RolloutRunner: a group of 4 per task, solved by sample 0 only on the
+    tasks in ``solvable`` (those groups have reward variance), by none elsewhere."""
+
+    def __init__(self, chat, solvable):
+        self.chat, self.solvable, self.calls = chat, set(solvable), []
+
+    def run(self, tasks, seed=0):
+        self.calls.append((list(tasks), seed))
+        out = []
+        for i, task in enumerate(tasks):
+            for g in range(4):
+                e = _episode(self.chat, i, g, segments=1)
+                e.task_id = task
+                e.grade["resolved"] = g == 0 and task in self.solvable
+                out.append(e)
+        return out
+
+
+def _sampler_side(chat, rounds, solvable):
+    cfg = config_lib.base_config()
+    cfg.rl.tasks_per_step = 2
+    cfg.rl.sample_rounds = rounds
+    ctx = types.SimpleNamespace(cfg=cfg, train_tasks=[f"task{i}" for i in range(12)])
+    side = rl_loop._SamplerSide.__new__(rl_loop._SamplerSide)
+    side.ctx, side.runner = ctx, _ScriptedRunner(chat, solvable)
+    side.sampler = types.SimpleNamespace(policy_version=0)
+    return side
+
+
+def test_dynamic_sampling_samples_rounds_until_enough_groups_have_signal(tokenizer):
+    """rl.sample_rounds > 1 (DAPO's dynamic sampling): new rounds of tasks_per_step tasks
+    until tasks_per_step groups have reward variance, at most sample_rounds rounds; every
+    episode is kept, each round's groups distinct; one round is the plain batch."""
+    chat = protocol.ChatFormat(tokenizer)
+    plain = _sampler_side(chat, 1, solvable=[])
+    episodes, info = plain.rollouts(3)
+    assert info["sample_rounds"] == 1 and len(plain.runner.calls) == 1
+    assert plain.runner.calls[0][0] == rl_loop._task_batch(plain.ctx, 3)  # unchanged batch
+
+    ctx = _sampler_side(chat, 4, []).ctx
+    order = [t for batch in range(3) for t in rl_loop._task_batch(ctx, batch)]
+    # One solvable task in each of the first two rounds: two rounds fill the batch.
+    side = _sampler_side(chat, 4, solvable=[order[0], order[3]])
+    episodes, info = side.rollouts(0)
+    assert info["sample_rounds"] == 2 and len(side.runner.calls) == 2
+    assert [t for tasks, _ in side.runner.calls for t in tasks] == order[:4]
+    assert len({seed for _, seed in side.runner.calls}) == 2
+    assert sorted({e.task_index for e in episodes}) == [0, 1, 2, 3] and len(episodes) == 16
+    reward_config = rewards.RewardConfig()
+    assert rl_loop.signal_groups(episodes, reward_config) == 2
+    kept, _, metrics = score_groups(episodes, reward_config, grpo.GRPOConfig())
+    assert {e.task_id for e in kept} == {order[0], order[3]}
+    assert metrics["groups"] == 4 and metrics["zero_variance_groups"] == 2
+
+    # No group with signal anywhere: the rounds run out and the batch is all of them.
+    side = _sampler_side(chat, 3, solvable=[])
+    episodes, info = side.rollouts(0)
+    assert info["sample_rounds"] == 3 and len(episodes) == 3 * 2 * 4
+
+
+def test_rl_can_skip_the_tasks_sft_demonstrated(tmp_path):
+    """rl.tasks.skip_demonstrated: RL samples only the tasks after the first
+    sft_data.demos (the demonstrated ones); all demonstrated is a clear error."""
+    records.write_tasks(
+        [make_record(task_id=f"t-{i}") for i in range(5)], str(tmp_path / "tasks.jsonl")
+    )
+    cfg = config_lib.base_config()
+    cfg.sft_data.demos = 3
+    assert [t.task_id for t in rl_loop.rl_train_tasks(cfg, str(tmp_path))] == [
+        f"t-{i}" for i in range(5)
+    ]
+    cfg.rl.tasks.skip_demonstrated = True
+    assert [t.task_id for t in rl_loop.rl_train_tasks(cfg, str(tmp_path))] == ["t-3", "t-4"]
+    cfg.sft_data.demos = 5
+    with pytest.raises(ValueError, match=r"all 5 training tasks .* \(sft_data.demos=5\)"):
+        rl_loop.rl_train_tasks(cfg, str(tmp_path))
 
 
 @pytest.mark.slow

@@ -135,16 +135,11 @@ def score_groups(
     ``unsummarised_reward`` are the mean rewards of the two parts (absent when a
     part is empty).
     """
-    groups: dict[int, list[Episode]] = {}
-    for episode in episodes:
-        groups.setdefault(episode.task_index, []).append(episode)
+    groups = _groups(episodes)
     kept, advantages, all_rewards = [], [], []
     by_summary: dict[bool, list[float]] = {True: [], False: []}
     dropped_groups = 0
     for group in groups.values():
-        group = [e for e in group if e.finish_reason != "lost"]
-        if not group:
-            continue
         group_rewards = rewards.group_rewards([e.outcome() for e in group], reward_config)
         for e, r in zip(group, group_rewards):
             e.grade["reward"] = r
@@ -166,6 +161,23 @@ def score_groups(
         if by_summary[summarised]:
             metrics[name] = float(np.mean(by_summary[summarised]))
     return kept, advantages, metrics
+
+
+def _groups(episodes: Sequence[Episode]) -> dict[int, list[Episode]]:
+    """Episodes by task (their GRPO group), lost episodes left out."""
+    groups: dict[int, list[Episode]] = {}
+    for e in episodes:
+        if e.finish_reason != "lost":
+            groups.setdefault(e.task_index, []).append(e)
+    return groups
+
+
+def signal_groups(episodes: Sequence[Episode], reward_config: rewards.RewardConfig) -> int:
+    """Groups whose rewards vary: the ones a GRPO step learns from."""
+    return sum(
+        grpo.has_signal(rewards.group_rewards([e.outcome() for e in g], reward_config))
+        for g in _groups(episodes).values()
+    )
 
 
 def rollout_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
@@ -220,7 +232,7 @@ def _context(config: ml_collections.ConfigDict, workdir: Workdir) -> _Context:
         tokenizer=tokenizer,
         chat=protocol.ChatFormat(tokenizer),
         model_config=model_config,
-        train_tasks=records.load_tasks(os.path.join(train_dir, records.TASKS_FILE)),
+        train_tasks=rl_train_tasks(cfg, train_dir),
         bench_tasks=records.load_tasks(os.path.join(bench_dir, records.TASKS_FILE)),
         train_dir=train_dir,
         bench_dir=bench_dir,
@@ -242,6 +254,22 @@ def task_datasets(cfg, workdir: Workdir | str) -> tuple[str, str]:
         max_per_generator=int(t.max_per_generator),
         log=lambda line: log.info("[rl] %s", line),
     )
+
+
+def rl_train_tasks(cfg, train_dir: str) -> list[records.TaskRecord]:
+    """The training tasks RL samples from: all of them, or with
+    ``rl.tasks.skip_demonstrated`` those after the first ``sft_data.demos`` (the tasks
+    the SFT demonstrations were made from, ``pipeline.prepare_sft_data``)."""
+    tasks = records.load_tasks(os.path.join(train_dir, records.TASKS_FILE))
+    if not cfg.rl.tasks.skip_demonstrated:
+        return tasks
+    demos = max(0, int(cfg.sft_data.demos))
+    if demos >= len(tasks):
+        raise ValueError(
+            f"rl.tasks.skip_demonstrated: all {len(tasks)} training tasks in {train_dir} "
+            f"have SFT demonstrations (sft_data.demos={demos}); raise rl.tasks.train_count"
+        )
+    return tasks[demos:]
 
 
 def _rollout_config(cfg) -> RolloutConfig:
@@ -312,13 +340,35 @@ class _SamplerSide:
             time.sleep(1.0)
 
     def rollouts(self, index: int) -> tuple[list[Episode], dict[str, Any]]:
-        tasks = _task_batch(self.ctx, index)
+        """Rollout batch ``index``: one round of ``tasks_per_step`` task groups, or with
+        ``rl.sample_rounds`` > 1 (dynamic sampling) further rounds of new tasks until
+        ``tasks_per_step`` groups have reward variance or the rounds run out.
+
+        Every episode sampled is kept (the step's reward and pass@1 are over all of
+        them, not only the groups with signal); round ``r``'s groups carry task indices
+        offset by ``r * tasks_per_step`` so they stay distinct groups.
+        """
+        cfg = self.ctx.cfg
+        rounds = max(1, int(cfg.rl.sample_rounds))
+        want = int(cfg.rl.tasks_per_step)
+        reward_config = rewards.RewardConfig.from_mapping(cfg.rl.reward.to_dict())
         start = time.time()
-        episodes = self.runner.run(tasks, seed=self.ctx.cfg.seed * 1_000_003 + index)
+        episodes: list[Episode] = []
+        used = 0
+        for r in range(rounds):
+            batch = index * rounds + r  # with one round: batch == index, as before
+            got = self.runner.run(_task_batch(self.ctx, batch), seed=cfg.seed * 1_000_003 + batch)
+            for e in got:
+                e.task_index += r * want
+            episodes += got
+            used = r + 1
+            if rounds > 1 and signal_groups(episodes, reward_config) >= want:
+                break
         versions = [v for e in episodes for v in e.turn_versions]
         info = {
             "policy_version": min(versions) if versions else self.sampler.policy_version,
             "rollout_seconds": time.time() - start,
+            "sample_rounds": used,
         }
         return episodes, info
 
@@ -396,6 +446,7 @@ def _train_on(trainer: RLTrainer, ctx: _Context, store: RolloutStore, index: int
     staleness = trainer.version - int(info.get("policy_version") or 0)
     row = {**reward_metrics, **rollout_metrics(episodes), "staleness": staleness}
     row["rollout_seconds"] = float(info.get("rollout_seconds", 0.0))
+    row["sample_rounds"] = int(info.get("sample_rounds", 1))
     if staleness > int(ctx.cfg.rl.max_staleness):
         row["stale_batches_dropped"] = 1
         log.warning("rollout %d is %d versions old: dropped", index, staleness)
