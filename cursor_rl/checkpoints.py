@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grain
@@ -79,10 +79,14 @@ class CheckpointManager:
         keep_every: int = 0,
         async_save: bool = True,
         fallback_to_previous: bool = True,
+        on_error: Callable[[str, int | None, BaseException], None] | None = None,
     ):
         # Orbax refuses relative paths and knows no `~`: every caller gets them resolved.
         self.directory = os.fspath(resolve(directory, "checkpoint directory"))
         self.fallback_to_previous = fallback_to_previous
+        # Told (directory, step, error) when a save fails, before the error is raised
+        # (the run's event log: cursor_rl.ops.heartbeat.checkpoint_failure_recorder).
+        self.on_error = on_error
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep_last or None,
             keep_period=keep_every or None,
@@ -110,11 +114,26 @@ class CheckpointManager:
         if data_iterator is not None:
             items[DATA] = grain.checkpoint.CheckpointSave(data_iterator)
         items[METADATA] = ocp.args.JsonSave({**(metadata or {}), "step": int(step)})
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        try:
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:
+            self._failed(int(step), e)
+            raise
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are on disk."""
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._failed(None, e)
+            raise
+
+    def _failed(self, step: int | None, error: BaseException) -> None:
+        if self.on_error is not None:
+            try:
+                self.on_error(self.directory, step, error)
+            except Exception:  # reporting must not hide the error itself
+                logging.exception("checkpoint failure at %s not reported", self.directory)
 
     def close(self) -> None:
         self._manager.wait_until_finished()

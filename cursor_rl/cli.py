@@ -20,6 +20,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from cursor_rl import pipeline, stages
+from cursor_rl.ops import heartbeat
 from cursor_rl.train.loop import Preempted
 from cursor_rl.workdir import Workdir, WorkdirError
 
@@ -62,6 +63,7 @@ def main(argv):
     except Preempted as e:
         print(e, flush=True)
         sys.exit(0)
+    heartbeat.finish_all()  # done: a silent heartbeat from now on is not a stall
     if jax.process_index() == 0:
         print("\n" + pipeline.summary_table(rows), flush=True)
 

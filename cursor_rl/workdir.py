@@ -13,6 +13,7 @@ Layout (every path below comes from a ``Workdir`` method; nothing else joins the
       tasks/train/  tasks/bench/
       rl/policy/<version>/  rl/checkpoints/<step>/  rl/rollouts/<index>.json  rl/DONE
       eval/<bench>/results.jsonl  eval/registry.json
+      ops/heartbeats/<role>.json  ops/events.jsonl  ops/quarantine/
       report.md  *.png
 
 Choices:
@@ -225,6 +226,26 @@ class Workdir:
 
     def plot_file(self, name: str) -> epath.Path:
         return self.root / _component(name, "plot")
+
+    @property
+    def ops_dir(self) -> epath.Path:
+        """What the run says about its own health (``cursor_rl.ops``)."""
+        return self.root / "ops"
+
+    def heartbeat_file(self, role: str) -> epath.Path:
+        """The latest heartbeat of one process role (``main``, ``trainer``, ``sampler``)."""
+        return self.ops_dir / "heartbeats" / f"{_component(role, 'role')}.json"
+
+    @property
+    def ops_events_file(self) -> epath.Path:
+        """Events: what the roles report (a failed checkpoint write) and what the
+        watchdog detected, did and alerted."""
+        return self.ops_dir / "events.jsonl"
+
+    @property
+    def quarantine_dir(self) -> epath.Path:
+        """Checkpoints, policies and rollouts set aside by a rewind (never deleted)."""
+        return self.ops_dir / "quarantine"
 
     # ---- local copies -------------------------------------------------------------
 

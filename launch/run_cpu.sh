@@ -10,6 +10,11 @@
 # CURSOR_RL_SMOKE=1: a smoke run (what CI runs): the same pipeline with the step, task
 # and episode counts of launch/smoke.flags (flags given here still win), then
 # launch/check_run.py checks that every stage left its checkpoints and report.md.
+#
+# CURSOR_RL_WATCH=1: the run goes under the watchdog (python -m cursor_rl.ops.watch),
+# which restarts it when it crashes or stalls, rewinds it after a NaN loss and alerts
+# the Slack-compatible webhook in $CURSOR_RL_ALERT_WEBHOOK (README: "Runs that look
+# after themselves"); $CURSOR_RL_WATCH_FLAGS adds watchdog flags.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install_system_deps.sh
@@ -28,7 +33,14 @@ if [ "${CURSOR_RL_SMOKE:-0}" = "1" ]; then
 fi
 export JAX_PLATFORMS=cpu
 python -m cursor_rl.tools.model_summary --config=configs/tiny.py | grep -v "^  \['"
-python -m cursor_rl.main --config=configs/tiny.py --workdir="$workdir" ${smoke[@]+"${smoke[@]}"} "$@"
+main=(python -m cursor_rl.main --config=configs/tiny.py --workdir="$workdir")
+if [ "${CURSOR_RL_WATCH:-0}" = "1" ]; then
+  # shellcheck disable=SC2086  # the flags are words
+  python -m cursor_rl.ops.watch --workdir="$workdir" ${CURSOR_RL_WATCH_FLAGS:-} -- \
+    "${main[@]}" ${smoke[@]+"${smoke[@]}"} "$@"
+else
+  "${main[@]}" ${smoke[@]+"${smoke[@]}"} "$@"
+fi
 echo "workdir: $workdir (report: $workdir/report.md)"
 if [ "${CURSOR_RL_SMOKE:-0}" = "1" ]; then
   python -m launch.check_run "$workdir"

@@ -7,12 +7,17 @@ means the attack failed, not the grader.
 """
 
 import os
+import re
+import resource
 import shutil
+import subprocess
+import textwrap
+import time
 
 import pytest
 
 from cursor_rl.chat.protocol import ChatFormat, Message, ToolCall
-from cursor_rl.env import fs, sandbox, testing
+from cursor_rl.env import cgroups, fs, sandbox, testing
 from cursor_rl.env.grader import grade
 from cursor_rl.env.harness import AgentEpisode
 from cursor_rl.env.sandbox import Limits, Sandbox
@@ -74,10 +79,18 @@ def play(chat, task, tmp_path, turns, framework="unittest", limits=None):
             observations += [r.text for r in step.results]
         assert episode.submitted  # no attack ended the episode early
         assert sandbox._processes_of(sb.uid) == []
+    assert leftover_cgroups(sb.slot) == []
     assert fs.scan_tree(os.path.join(ws, ".git")) == history  # history restored exactly
     result = grade(task.spec(framework), ws)
     assert fs.scan_tree(task.hidden_tests) == hidden  # nor did grading touch them
     return observations, result
+
+
+def leftover_cgroups(slot):
+    """Cgroup directories of a sandbox slot that outlived its commands."""
+    parents = cgroups.usable_parents()
+    name = sandbox._cgroup_name(slot)
+    return [d for d in (parents.dirs if parents else ()) if os.path.exists(os.path.join(d, name))]
 
 
 @pytest.mark.parametrize("framework", ["unittest", "pytest"])
@@ -307,3 +320,101 @@ def test_killing_the_harness(chat, task, tmp_path):
     assert "stdout:\nafter" in observations[0] and "No such process" in observations[1]
     assert not result.resolved, result.tests
     assert result.tests[testing.UNITTEST_P2P].status == "passed"
+
+
+def _needs_cgroups():
+    reason = cgroups.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cgroups unavailable: {reason}")
+
+
+# Each child allocates less than the per-process RLIMIT_AS and holds it until a common
+# deadline: the children that succeed all hold their memory at that moment.
+_FORK_AND_ALLOCATE = textwrap.dedent(
+    """\
+    import os, sys, time
+    n, mib = int(sys.argv[1]), int(sys.argv[2])
+    deadline = time.monotonic() + 5
+    kids = []
+    for i in range(n):
+        pid = os.fork()
+        if pid == 0:
+            block = bytearray(mib << 20)
+            for j in range(0, len(block), 4096):
+                block[j] = 1
+            if time.monotonic() >= deadline:
+                os._exit(2)  # too late to overlap with the others
+            print("allocated", i, flush=True)
+            time.sleep(deadline - time.monotonic())
+            os._exit(0)
+        kids.append(pid)
+    ok = sum(os.waitpid(pid, 0)[1] == 0 for pid in kids)
+    print("children ok:", ok, flush=True)
+    sys.exit(0 if ok == n else 1)"""
+)
+
+
+def test_fork_and_allocate(chat, task, tmp_path):
+    """Eight children of 128 MiB each, under a 256 MiB RLIMIT_AS each: 1 GiB in all
+    against a 256 MiB sandbox. Only the cgroup sees the sum."""
+    _needs_cgroups()
+    cap_mib, children, child_mib = 256, 8, 128
+    limits = Limits(memory_bytes=cap_mib << 20)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    started = time.monotonic()
+    turns = [
+        [write("attack.py", _FORK_AND_ALLOCATE)],
+        [terminal(f"python3 attack.py {children} {child_mib}", timeout_s=60)],
+        [terminal("echo alive")],
+    ]
+    observations, result = play(chat, task, tmp_path, turns, limits=limits)
+    attack = observations[1]
+    assert "killed: sandbox memory limit (cgroup) exceeded" in attack, attack
+    assert not attack.startswith("exit code: 0") and "timed out" not in attack
+    reported = re.search(r"children ok: (\d+)", attack)
+    held = int(reported.group(1)) if reported else 0  # 0: the cap killed the parent too
+    assert held < children and held * child_mib <= cap_mib  # the sum never got through
+    assert time.monotonic() - started < 60
+    assert observations[2] == "exit code: 0\nstdout:\nalive"  # the sandbox still works
+    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert rss_after - rss_before < 64 << 10  # the host process did not balloon
+    assert not result.resolved
+
+
+_FORK_COUNT = textwrap.dedent(
+    """\
+    import os, time
+    n = 0
+    try:
+        while n < 400:
+            if os.fork() == 0:
+                time.sleep(30)
+                os._exit(0)
+            n += 1
+    except OSError as e:
+        print("fork failed:", e.strerror)
+    print("forked", n)"""
+)
+
+
+def test_fork_bomb_bounded_by_the_process_cap(chat, task, tmp_path):
+    """RLIMIT_NPROC (per uid) is set far above the cap here: pids.max alone stops it."""
+    _needs_cgroups()
+    limits = Limits(processes=1024, max_pids=64)
+    turns = [
+        [write("forks.py", _FORK_COUNT)],
+        [terminal("python3 forks.py", timeout_s=30)],
+        [terminal("bomb() { bomb | bomb & }; bomb; sleep 1", timeout_s=10)],
+        [terminal("echo alive")],
+    ]
+    observations, result = play(chat, task, tmp_path, turns, limits=limits)
+    counted, bomb = observations[1], observations[2]
+    forked = int(counted.split("forked ")[1].split()[0])
+    assert forked < 64 and "fork failed" in counted, counted
+    assert "sandbox process limit (cgroup) reached" in counted
+    assert "timed out" not in counted  # the leftovers died with the command
+    assert "Cannot fork" in bomb and "timed out" not in bomb, bomb
+    assert "sandbox process limit (cgroup) reached" in bomb
+    assert observations[3] == "exit code: 0\nstdout:\nalive"
+    assert subprocess.run(["true"]).returncode == 0  # the host can still fork
+    assert not result.resolved

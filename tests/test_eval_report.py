@@ -244,3 +244,30 @@ def test_command_line(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == os.path.join(workdir, "report.md")
     assert os.path.exists(os.path.join(workdir, "rl_length.png"))
+
+
+def test_operations_section_lists_what_the_watchdog_saw_and_did(tmp_path):
+    """The watchdog's events (ops/events.jsonl) become the report's Operations
+    section: counts by kind, then each finding with its action and alert delivery;
+    a run nobody watched says so."""
+    from cursor_rl.ops import heartbeat
+
+    workdir = str(tmp_path / "run")
+    _write_rows(workdir, _training_rows()[:3])
+    assert "No watchdog ran" in _report_text(workdir)
+    heartbeat.record_event(workdir, "watch_started", roles=["main"])
+    for key, kind, message, action in [
+        ("crash:main:7", "crash", "main (pid 7) exited with code -9", "restarted main (1/3)"),
+        ("nonfinite:rl:3@0", "nonfinite", "non-finite policy_loss at rl step 3", "rewound rl"),
+    ]:
+        heartbeat.record_event(workdir, "detected", key=key, kind=kind, message=message)
+        heartbeat.record_event(workdir, "action", key=key, action=action)
+        heartbeat.record_event(workdir, "alert", key=key, delivery="queued")
+    heartbeat.record_event(
+        workdir, "watch_stopped", restarts={"main": 1}, alerts={"sent": 2}, malformed_metric_lines=1
+    )
+    text = _report_text(workdir).split("## Operations (watchdog)")[1]
+    assert "Findings by kind: crash 1, nonfinite 1." in text
+    assert "malformed metric lines 1" in text
+    assert "| crash | main (pid 7) exited with code -9 | restarted main (1/3) | queued |" in text
+    assert "| nonfinite | non-finite policy_loss at rl step 3 | rewound rl | queued |" in text

@@ -1,13 +1,14 @@
-"""Isolated command execution for one episode: namespaces, an unprivileged uid, rlimits.
+"""Isolated command execution for one episode: namespaces, an unprivileged uid, limits.
 
     with Sandbox(workspace, allow_hosts=("pypi.org:443",)) as sb:
         result = sb.run("python -m pytest -q", timeout_s=60)   # CommandResult
 
 Each command runs as::
 
-    setpriv (dies with the harness) → prlimit (rlimits) → nsenter (the sandbox's network
-    namespace) → bwrap (new mount, PID, IPC, UTS and cgroup namespaces; a read-only
-    system view) → setpriv (the sandbox's uid, no capabilities, no_new_privs) → sh -c CMD
+    setpriv (dies with the harness) → sh (joins the command's cgroup) → prlimit (rlimits)
+    → nsenter (the sandbox's network namespace) → bwrap (new mount, PID, IPC, UTS and
+    cgroup namespaces; a read-only system view) → setpriv (the sandbox's uid, no
+    capabilities, no_new_privs) → sh -c CMD
 
 Inside, the agent sees ``/workspace`` (read-write), read-only ``/usr`` and a curated
 ``/etc``, fresh ``/proc`` and ``/dev``, private ``/tmp`` and ``/dev/shm``, the
@@ -48,6 +49,19 @@ Design choices:
    fresh repository, or ``true``) and raises ``SandboxError`` if it fails, so a broken
    configuration (a missing bind source) never shows up as the agent's failing
    commands; ``run`` raises it too when bwrap never starts a child.
+8. **Whole-command caps through a cgroup, rlimits behind them.** rlimits are per
+   process (``RLIMIT_AS``) or per uid (``RLIMIT_NPROC``): eight children may each
+   allocate ``memory_bytes``. Each command therefore runs in a cgroup of its own
+   (``cursor_rl.env.cgroups``: v2, else v1) capping the memory (``memory_bytes``, no
+   swap) and the tasks (``max_pids``) of its whole process tree; the chain joins it
+   before ``prlimit`` runs, so bwrap and everything inside inherit it, and it is
+   removed (leftovers killed) when ``run`` returns; while it exists its directories
+   are recorded in the slot's state directory, so the slot's next holder removes the
+   cgroup a crashed harness left even from another cgroup of its own. A command the
+   memory cap killed comes back as an ordinary ``CommandResult`` with a note in its
+   stderr. The rlimits stay as a second line of defence; where cgroups are unavailable
+   (no root, a read-only or controller-less hierarchy) they are the only one, and one
+   warning per process says why.
 
 One sandbox serves one thread at a time. Pure Python, no JAX.
 """
@@ -58,6 +72,7 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import logging
 import os
 import random
 import re
@@ -69,7 +84,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
-from cursor_rl.env import fs, netns
+from cursor_rl.env import cgroups, fs, netns
 from cursor_rl.env.supervise import CommandResult, SandboxError, supervise
 
 STATE_ROOT = "/run/cursor_rl_sandbox"
@@ -97,6 +112,9 @@ _ETC_FILES = (
 _USR_MERGED = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 _CHAIN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 _NETNS_PREFIX = "cursor_rl_sb"
+_CGROUP_PREFIX = "cursor_rl_sb"
+
+_log = logging.getLogger(__name__)
 
 
 class SandboxUnavailableError(SandboxError):
@@ -109,8 +127,11 @@ class Limits:
 
     Attributes:
       cpu_s: CPU seconds (``RLIMIT_CPU``).
-      memory_bytes: address space (``RLIMIT_AS``).
+      memory_bytes: address space (``RLIMIT_AS``), and the memory of the whole command
+        together (its cgroup, swap excluded; choice 8).
       processes: processes and threads of the sandbox's uid (``RLIMIT_NPROC``).
+      max_pids: processes and threads of the whole command at once, the command
+        chain's few included (its cgroup's ``pids.max``; choice 8).
       file_bytes: largest file a process may write (``RLIMIT_FSIZE``).
       open_files: open file descriptors (``RLIMIT_NOFILE``).
       disk_bytes: size of the workspace tmpfs (whole sandbox).
@@ -123,6 +144,7 @@ class Limits:
     cpu_s: int = 300
     memory_bytes: int = 8 << 30
     processes: int = 512
+    max_pids: int = 1024
     file_bytes: int = 512 << 20
     open_files: int = 1024
     disk_bytes: int = 2 << 30
@@ -187,6 +209,19 @@ def unavailable_reason() -> str | None:
     return None
 
 
+@functools.cache
+def _cgroups_or_warn() -> bool:
+    """Whether commands get cgroup caps; the first call without them warns (choice 8)."""
+    reason = cgroups.unavailable_reason()
+    if reason is not None:
+        _log.warning(
+            "cgroup limits are unavailable (%s): sandbox commands keep only their per-process "
+            "rlimits, so a command that forks can use more than Limits.memory_bytes in total",
+            reason,
+        )
+    return reason is None
+
+
 def _processes_of(uid: int) -> list[int]:
     pids = []
     for entry in os.listdir("/proc"):
@@ -228,6 +263,25 @@ def _netns_name(slot: int) -> str:
     return f"{_NETNS_PREFIX}{slot}"
 
 
+def _cgroup_name(slot: int) -> str:
+    return f"{_CGROUP_PREFIX}{slot}"
+
+
+def _cgroup_record(slot: int) -> str:
+    """Where a command's cgroup directories are recorded while it runs: a harness in
+    another cgroup cleaning this slot after a crash would not find them otherwise."""
+    return os.path.join(_state_dir(slot), "cgroups")
+
+
+def _remove_stale_cgroups(slot: int) -> None:
+    try:
+        with open(_cgroup_record(slot)) as f:
+            recorded = f.read().split("\n")
+    except FileNotFoundError:
+        recorded = []
+    cgroups.remove_stale(_cgroup_name(slot), recorded)
+
+
 def _lock_slot(slot: int) -> int | None:
     """The slot's flock-ed lock fd, or None when a live sandbox holds it."""
     fd = os.open(os.path.join(STATE_ROOT, f"slot{slot}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -242,6 +296,7 @@ def _lock_slot(slot: int) -> int | None:
 def _clean_slot(slot: int) -> None:
     """Removes whatever a previous holder of this (locked) slot left."""
     _kill_uid(UID_BASE + slot)
+    _remove_stale_cgroups(slot)
     netns.NetworkNamespace.remove_stale(_netns_name(slot))
     if os.path.isdir(_state_dir(slot)):
         _unmount(_live_root(slot))
@@ -370,6 +425,7 @@ class Sandbox:
             raise SandboxUnavailableError(reason)
         if not os.path.isdir(self.workspace):
             raise FileNotFoundError(f"workspace {self.workspace} is not a directory")
+        _cgroups_or_warn()
         endpoints, names = netns.resolve_endpoints(self.allow_hosts)
         self._acquire_slot()
         try:
@@ -482,11 +538,18 @@ class Sandbox:
         env.update(self._extra_env)
         return env
 
-    def _argv(self, cmd: str, info_fd: int) -> list[str]:
+    def _argv(
+        self, cmd: str, info_fd: int, cgroup: cgroups.CgroupLimits | None = None
+    ) -> list[str]:
+        argv = self._bwrap_argv(cmd, info_fd)
+        if cgroup is not None:
+            argv = cgroup.join_argv(argv)  # before bwrap's namespaces (choice 8)
+        # The chain, and through bwrap's --die-with-parent the command, die with us.
+        return ["setpriv", "--pdeathsig=KILL", "--", *argv]
+
+    def _bwrap_argv(self, cmd: str, info_fd: int) -> list[str]:
         lim = self.limits
         argv = [
-            # The chain, and through bwrap's --die-with-parent the command, die with us.
-            "setpriv", "--pdeathsig=KILL", "--",
             "prlimit",
             f"--cpu={lim.cpu_s}:{lim.cpu_s}",
             f"--as={lim.memory_bytes}:{lim.memory_bytes}",
@@ -578,10 +641,35 @@ class Sandbox:
         """
         if self._net is None:
             raise RuntimeError("Sandbox.run needs an entered sandbox (use it as a context manager)")
+        cgroup = None
+        if _cgroups_or_warn():
+            cgroup = cgroups.CgroupLimits(
+                _cgroup_name(self.slot), self.limits.memory_bytes, self.limits.max_pids
+            )
+            try:
+                with open(_cgroup_record(self.slot), "w") as f:
+                    f.write("\n".join(cgroup.dirs))
+                cgroup.create()
+            except OSError as e:
+                raise SandboxError(f"cannot create the command's cgroup: {e}") from e
+        try:
+            result = self._run(cmd, timeout_s, stdin, cgroup)
+        finally:
+            if cgroup is not None:
+                try:
+                    cgroup.remove()
+                    os.unlink(_cgroup_record(self.slot))
+                except OSError as e:
+                    raise SandboxError(f"cannot remove the command's cgroup: {e}") from e
+        return result
+
+    def _run(
+        self, cmd: str, timeout_s: float, stdin: bytes, cgroup: cgroups.CgroupLimits | None
+    ) -> CommandResult:
         info_r, info_w = os.pipe()
         try:
             proc = subprocess.Popen(
-                self._argv(cmd, info_w),
+                self._argv(cmd, info_w, cgroup),
                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -592,7 +680,7 @@ class Sandbox:
             )
         finally:
             os.close(info_w)
-        return supervise(
+        result = supervise(
             proc,
             info_r,
             stdin=stdin,
@@ -600,3 +688,18 @@ class Sandbox:
             output_bytes=self.limits.output_bytes,
             output_kill_bytes=self.limits.output_kill_bytes,
         )
+        if cgroup is None:
+            return result
+        notes = ""
+        if oom_kills := cgroup.oom_kills():
+            notes += (
+                f"\n[killed: sandbox memory limit (cgroup) exceeded: the command may use "
+                f"{self.limits.memory_bytes >> 20} MiB in all; {oom_kills} of its "
+                "processes were killed]"
+            )
+        if refused := cgroup.fork_refusals():
+            notes += (
+                f"\n[sandbox process limit (cgroup) reached: at most {self.limits.max_pids} "
+                f"processes and threads at once; {refused} forks were refused]"
+            )
+        return dataclasses.replace(result, stderr=result.stderr + notes) if notes else result

@@ -4,7 +4,8 @@
 
 Choices:
 
-1. **metrics.jsonl is the only input** (plus the saturation registry), read with
+1. **metrics.jsonl is the main input** (plus the saturation registry and the
+   watchdog's event log, ``WORKDIR/ops/events.jsonl``), read with
    ``cursor_rl.train.metrics.read_metrics``, so a report can be written at any time,
    for a finished run or one still going, on a machine with no accelerator.
 2. **Held-out eval rows are the rows with a ``bench`` key** (``runner.eval_row``);
@@ -53,6 +54,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from cursor_rl.eval import registry as registry_lib
+from cursor_rl.ops import heartbeat
 from cursor_rl.train.metrics import read_metrics
 from cursor_rl.workdir import Workdir, write_text_atomic
 
@@ -111,6 +113,7 @@ def write_report(workdir: Workdir | str, *, registry_path: str | None = None) ->
         "## Held-out benchmark: before vs after RL\n\n" + _before_after(evals),
         "## Plots\n\n" + _plot_links(written),
         "## Benchmark registry\n\n" + _registry_status(registry),
+        "## Operations (watchdog)\n\n" + _operations(heartbeat.read_events(workdir)),
     ]
     path = workdir.report_file
     write_text_atomic(path, "\n\n".join(sections) + "\n")
@@ -429,6 +432,47 @@ def _history(rows: Sequence[dict[str, Any]]) -> str:
     return "Every eval:\n\n" + _table(
         ["stage", "step", "pass@1", "pass@k", "best_of_k", "episodes"], body
     )
+
+
+def _operations(events: Sequence[dict[str, Any]]) -> str:
+    """What the watchdog saw and did (``WORKDIR/ops/events.jsonl``): counts by kind of
+    finding, then each finding with the action taken and the alert's delivery."""
+    detected = [e for e in events if e.get("event") == "detected"]
+    if not any(e.get("event") in ("detected", "watch_started") for e in events):
+        return "No watchdog ran (`python -m cursor_rl.ops.watch`) and nothing was detected."
+    actions = {e.get("key"): e.get("action", "") for e in events if e.get("event") == "action"}
+    delivery = {e.get("key"): e.get("delivery", "") for e in events if e.get("event") == "alert"}
+    counts: dict[str, int] = {}
+    for e in detected:
+        counts[str(e.get("kind"))] = counts.get(str(e.get("kind")), 0) + 1
+    lines = [
+        "Findings by kind: "
+        + (", ".join(f"{k} {n}" for k, n in sorted(counts.items())) or "none")
+        + "."
+    ]
+    stopped = [e for e in events if e.get("event") == "watch_stopped"]
+    if stopped:
+        last = stopped[-1]
+        lines.append(
+            f"Last watch: restarts {last.get('restarts') or {}}, alerts "
+            f"{last.get('alerts') or {}}, malformed metric lines "
+            f"{last.get('malformed_metric_lines', 0)}."
+        )
+    if detected:
+        body = []
+        for e in detected:
+            when = datetime.datetime.fromtimestamp(float(e.get("time") or 0), datetime.UTC)
+            body.append(
+                [
+                    when.strftime("%H:%M:%S"),
+                    str(e.get("kind")),
+                    str(e.get("message", "")).replace("|", "/"),
+                    str(actions.get(e.get("key"), "-")).replace("|", "/"),
+                    str(delivery.get(e.get("key"), "-")),
+                ]
+            )
+        lines.append(_table(["time (UTC)", "kind", "finding", "action", "alert"], body))
+    return "\n\n".join(lines)
 
 
 def _plot_links(written: Sequence[str]) -> str:

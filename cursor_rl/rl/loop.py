@@ -43,6 +43,7 @@ from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.env.pool import ToolPool
 from cursor_rl.eval import registry as eval_registry
 from cursor_rl.eval import runner as eval_runner
+from cursor_rl.ops import faults, heartbeat
 from cursor_rl.rl import grpo, rewards
 from cursor_rl.rl.rollout import RolloutConfig, RolloutRunner
 from cursor_rl.rl.trainer import RLTrainer
@@ -219,10 +220,15 @@ class _Context:
     bench_tasks: list[records.TaskRecord]
     train_dir: str
     bench_dir: str
+    beat: heartbeat.Heartbeat  # this process's role (ops.heartbeat)
 
 
 def _context(config: ml_collections.ConfigDict, workdir: Workdir) -> _Context:
     cfg = stages.stage_config(config, "rl")
+    # Colocated RL is the pipeline's own process: one role, "main", with the stages.
+    role = "main" if cfg.rl.role == "colocated" else cfg.rl.role
+    beat = heartbeat.for_role(workdir, role, enabled=jax.process_index() == 0)
+    beat.progress("rl_setup", 0)
     tokenizer = Tokenizer.load(cfg.tokenizer.path or workdir.tokenizer_file)
     model_config = stages.model_config(cfg)
     train_dir, bench_dir = task_datasets(cfg, workdir)
@@ -236,6 +242,7 @@ def _context(config: ml_collections.ConfigDict, workdir: Workdir) -> _Context:
         bench_tasks=records.load_tasks(os.path.join(bench_dir, records.TASKS_FILE)),
         train_dir=train_dir,
         bench_dir=bench_dir,
+        beat=beat,
     )
 
 
@@ -337,6 +344,7 @@ class _SamplerSide:
                 return latest[0]
             if time.time() > deadline:
                 raise TimeoutError(f"no policy >= {at_least} in {self.policy_dir}")
+            self.ctx.beat.waiting(f"policy {at_least}")
             time.sleep(1.0)
 
     def rollouts(self, index: int) -> tuple[list[Episode], dict[str, Any]]:
@@ -375,6 +383,7 @@ class _SamplerSide:
     def evaluate(self, stage: str, step: int, writer: MetricsWriter) -> dict[str, Any]:
         """Held-out eval (skipped once the benchmark is retired as saturated)."""
         e = self.ctx.cfg.rl.eval
+        self.ctx.beat.progress(f"eval_{stage}", step)
         registry = eval_registry.Registry(self.ctx.workdir.registry_file)
         if not registry.is_active(str(e.bench_name)):
             log.info("benchmark %s is retired (saturated): not evaluated", e.bench_name)
@@ -428,7 +437,7 @@ def _trainer(ctx: _Context) -> RLTrainer:
     metadata = checkpoints.make_metadata(
         ctx.model_config, stage="rl", tokenizer_json=ctx.tokenizer.to_json()
     )
-    return RLTrainer(
+    trainer = RLTrainer(
         ctx.model_config,
         ctx.cfg,
         init_from=_init_checkpoint(ctx),
@@ -436,6 +445,11 @@ def _trainer(ctx: _Context) -> RLTrainer:
         policy_dir=ctx.workdir.policy_dir,
         metadata=metadata,
     )
+    record = heartbeat.checkpoint_failure_recorder(
+        ctx.workdir, ctx.beat.role, enabled=jax.process_index() == 0
+    )
+    trainer.manager.on_error = trainer.policies.on_error = record
+    return trainer
 
 
 def _train_on(trainer: RLTrainer, ctx: _Context, store: RolloutStore, index: int, writer):
@@ -443,6 +457,9 @@ def _train_on(trainer: RLTrainer, ctx: _Context, store: RolloutStore, index: int
     episodes, info = store.read(index)
     reward_config = rewards.RewardConfig.from_mapping(ctx.cfg.rl.reward.to_dict())
     kept, advantages, reward_metrics = score_groups(episodes, reward_config, trainer.grpo)
+    if faults.inject_nan(ctx.workdir, "rl", index + 1):  # drills only (ops.faults)
+        log.warning("RL step %d: injecting NaN advantages ($%s)", index + 1, faults.NAN_ENV)
+        advantages = [float("nan")] * len(advantages)
     staleness = trainer.version - int(info.get("policy_version") or 0)
     row = {**reward_metrics, **rollout_metrics(episodes), "staleness": staleness}
     row["rollout_seconds"] = float(info.get("rollout_seconds", 0.0))
@@ -459,6 +476,7 @@ def _train_on(trainer: RLTrainer, ctx: _Context, store: RolloutStore, index: int
     writer.write("rl", index + 1, row)
     trainer.save({"next_rollout": index + 1})
     store.mark_trained(index + 1)
+    ctx.beat.progress("rl", index + 1)
     return row
 
 
@@ -567,6 +585,7 @@ def _run_trainer(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]:
         trainer.publish()
         while trainer.batches_done < int(ctx.cfg.rl.num_steps):
             while not store.exists(trainer.batches_done):
+                ctx.beat.waiting(f"rollout {trainer.batches_done}")
                 time.sleep(0.5)
             _train_on(trainer, ctx, store, trainer.batches_done, writer)
         store.mark_done()
@@ -591,13 +610,16 @@ def _run_sampler(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]:
             # policy version can trail the batches trained: a batch without signal
             # takes no optimizer step.)
             while store.trained() < index - int(rl.max_staleness) and not store.done:
+                ctx.beat.waiting(f"the trainer (rollout {index} is {rl.max_staleness} ahead)")
                 time.sleep(0.5)
             if store.done:
                 break
             version = side.load_newest(0)
+            ctx.beat.progress("rl_rollouts", index)
             episodes, info = side.rollouts(index)
             store.write(index, episodes, info)
             produced += 1
+            ctx.beat.progress("rl_rollouts", index + 1)
             every = int(rl.eval.every)
             if every > 0 and version - last_eval >= every:
                 side.evaluate("rl", version, writer)

@@ -36,6 +36,7 @@ from cursor_rl import bases, checkpoints, hostmem, model, partitioning, stages
 from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.data import pipeline
 from cursor_rl.model.config import ModelConfig
+from cursor_rl.ops import heartbeat
 from cursor_rl.train import copy_probe
 from cursor_rl.train import optimizer as optim
 from cursor_rl.train import step as step_lib
@@ -266,6 +267,7 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: Workdir | 
         keep_every=cfg.checkpoint.keep_every,
         async_save=cfg.checkpoint.async_save,
         fallback_to_previous=cfg.checkpoint.fallback_to_previous,
+        on_error=heartbeat.checkpoint_failure_recorder(workdir, "main", enabled=is_main),
     )
     metadata = checkpoint_metadata(cfg, model_config, tokenizer)
     variables_target = {"params": abstract.params, "router": abstract.router}
@@ -362,6 +364,7 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: Workdir | 
 
         writer = MetricsWriter(workdir, enabled=is_main)
         progress = Progress(stage, num_steps, enabled=is_main)
+        beat = heartbeat.for_role(workdir, "main", enabled=is_main)
         flops_per_token = model_config.flops_per_token(int(cfg.train.seq_len))
         peak = peak_flops_per_device() * jax.device_count()
         preempted, restore_sigterm = _install_sigterm_handler()
@@ -386,6 +389,7 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: Workdir | 
                 if max_in_flight:
                     in_flight.append(metrics["loss"])
                 step += 1
+                beat.progress(stage, step)
                 window_tokens += cfg.train.batch_size * cfg.train.seq_len
                 tokens_seen += cfg.train.batch_size * cfg.train.seq_len
                 pending.append(metrics)

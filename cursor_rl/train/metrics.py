@@ -2,7 +2,8 @@
 
 Every row of metrics.jsonl is a JSON object with at least ``stage`` and ``step``;
 rows from every stage (and from RL and eval) go to the same file. Only process 0
-writes.
+writes. A NaN or infinite value is written as ``null`` and its key listed under
+``nonfinite``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class MetricsWriter:
     def write(self, stage: str, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         row = {"stage": stage, "step": int(step), "time": time.time()}
         row.update({k: _plain(v) for k, v in metrics.items()})
+        # JSON has no NaN: a non-finite value is written as null and named here, so a
+        # reader (the watchdog) tells a NaN loss from a missing one.
+        nonfinite = [k for k, v in metrics.items() if _plain(v) is None and v is not None]
+        if nonfinite:
+            row["nonfinite"] = nonfinite
         if not self.enabled:
             return row
         line = json.dumps(row) + "\n"
