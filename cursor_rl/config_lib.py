@@ -23,6 +23,7 @@ import ml_collections
 from cursor_rl.data.pipeline import DataConfig
 from cursor_rl.env.harness import DEFAULT_SYSTEM_PROMPT
 from cursor_rl.model.config import ModelConfig
+from cursor_rl.rl.feedback import FeedbackConfig
 from cursor_rl.rl.grpo import GRPOConfig
 from cursor_rl.rl.rewards import RewardConfig
 from cursor_rl.rl.rollout import RolloutConfig
@@ -108,6 +109,9 @@ def _rl_defaults() -> ml_collections.ConfigDict:
     rl.rollout = ml_collections.ConfigDict(rollout)
     rl.reward = ml_collections.ConfigDict(dataclasses.asdict(RewardConfig()))
     rl.grpo = ml_collections.ConfigDict(dataclasses.asdict(GRPOConfig()))
+    # Textual feedback (rl.feedback): a hint where an episode went wrong makes the
+    # policy a teacher of the tokens after it; off by default.
+    rl.feedback = ml_collections.ConfigDict(dataclasses.asdict(FeedbackConfig()))
     rl.sampler = ml_collections.ConfigDict()
     rl.sampler.num_slots = 16
     rl.sampler.max_seq_len = 4096

@@ -271,3 +271,30 @@ def test_operations_section_lists_what_the_watchdog_saw_and_did(tmp_path):
     assert "malformed metric lines 1" in text
     assert "| crash | main (pid 7) exited with code -9 | restarted main (1/3) | queued |" in text
     assert "| nonfinite | non-finite policy_loss at rl step 3 | rewound rl | queued |" in text
+
+
+def test_feedback_section_and_plot_compare_behaviour_rates_with_a_baseline(tmp_path):
+    """Textual feedback: per RL step each detector's rate (the behaviour) and the
+    points trained; with a baseline run both runs' first -> last rates side by side,
+    and feedback.png drawn. A run without feedback metrics says so."""
+
+    def rl_rows(rates, trained):
+        return [
+            {"stage": "rl", "step": i + 1, "time": 10.0 * i, "scored_episodes": 8,
+             "feedback/gave_up_early": rate, "feedback/points": 8 * rate,
+             "feedback/trained_points": n, "feedback_signal": 0.5}
+            for i, (rate, n) in enumerate(zip(rates, trained))
+        ]  # fmt: skip
+
+    on, off = str(tmp_path / "on"), str(tmp_path / "off")
+    _write_rows(on, rl_rows([0.5, 0.25, 0.125], [4, 2, 1]))
+    _write_rows(off, rl_rows([0.5, 0.5, 0.375], [0, 0, 0]))
+    text = pathlib.Path(report.write_report(on, baseline=off)).read_text()
+    section = text.split("## Textual feedback")[1].split("##")[0]
+    assert "| step | gave_up_early | points trained | signal |" in section
+    assert "| 2 | 0.250 | 2 | 0.500 |" in section
+    assert "| gave_up_early | 0.500 → 0.125 | 0.500 → 0.375 |" in section
+    assert pathlib.Path(on, "feedback.png").read_bytes().startswith(PNG_MAGIC)
+    empty = str(tmp_path / "none")
+    _write_rows(empty, _training_rows()[:3])
+    assert "No textual-feedback metrics" in _report_text(empty)

@@ -37,7 +37,9 @@ per stage), ``rl_reward.png`` (RL reward; train pass@1 and held-out pass@1 /
 best-of-k over RL steps, the base and SFT checkpoints' held-out pass@1 as
 baselines), ``rl_length.png`` (generated tokens and tool calls per episode over RL
 steps), ``learning.png`` (held-out pass@1 and best-of-k of base, SFT and RL with
-their intervals), ``copy_probe.png`` (the copy probe over steps, a panel per stage).
+their intervals), ``copy_probe.png`` (the copy probe over steps, a panel per stage),
+``feedback.png`` (the share of episodes each textual-feedback detector fired on, over
+RL steps, a panel per detector; with ``--baseline`` the other run's curves too).
 """
 
 from __future__ import annotations
@@ -73,12 +75,20 @@ _HEADLINE = ("pass@1", "pass@k", "best_of_k")
 _CATEGORY_KEY = re.compile(r"^(pass@1|pass@k|best_of_k)/(.+)$")
 
 
-def write_report(workdir: Workdir | str, *, registry_path: str | None = None) -> str:
+def write_report(
+    workdir: Workdir | str,
+    *,
+    registry_path: str | None = None,
+    baseline: Workdir | str | None = None,
+) -> str:
     """Writes ``WORKDIR/report.md`` and its PNG plots.
 
     Args:
       workdir: the run's directory (local or ``gs://``).
       registry_path: the saturation registry (default ``WORKDIR/eval/registry.json``).
+      baseline: another run to compare with (e.g. the same seed with textual feedback
+        off): its behaviour rates and held-out pass@1 join the feedback section and
+        ``feedback.png``.
 
     Returns:
       The report's path.
@@ -96,6 +106,8 @@ def write_report(workdir: Workdir | str, *, registry_path: str | None = None) ->
         "learning.png": _plot_learning(evals),
         "copy_probe.png": _plot_copy_probe(training, stages),
     }
+    base_rows = read_metrics(baseline) if baseline is not None else None
+    plots["feedback.png"] = _plot_feedback(rows, base_rows)
     written = []
     for name, figure in plots.items():
         if figure is not None:
@@ -111,6 +123,7 @@ def write_report(workdir: Workdir | str, *, registry_path: str | None = None) ->
         "## Learning\n\n" + _learning(evals, training, stages),
         "## RL\n\n" + _rl_table(training),
         "## Held-out benchmark: before vs after RL\n\n" + _before_after(evals),
+        "## Textual feedback\n\n" + _feedback(rows, base_rows, baseline),
         "## Plots\n\n" + _plot_links(written),
         "## Benchmark registry\n\n" + _registry_status(registry),
         "## Operations (watchdog)\n\n" + _operations(heartbeat.read_events(workdir)),
@@ -475,6 +488,79 @@ def _operations(events: Sequence[dict[str, Any]]) -> str:
     return "\n\n".join(lines)
 
 
+FEEDBACK_PREFIX = "feedback/"
+# Counts, not behaviour rates, among the feedback metrics.
+FEEDBACK_COUNTS = ("points", "detector_errors", "zero_advantage_episodes", "trained_points",
+                   "too_long", "teacher_rows")  # fmt: skip
+
+
+def _rl_steps(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The RL trainer's rows, the last per step, in step order."""
+    rl = [r for r in rows if r.get("stage") == "rl" and "scored_episodes" in r]
+    return list(_by_step(rl, "scored_episodes").values())
+
+
+def _behaviours(rows: Sequence[dict[str, Any]]) -> list[str]:
+    names = {
+        k[len(FEEDBACK_PREFIX) :]
+        for r in _rl_steps(rows)
+        for k in r
+        if k.startswith(FEEDBACK_PREFIX)
+    }
+    return sorted(names - set(FEEDBACK_COUNTS))
+
+
+def _final_pass(rows: Sequence[dict[str, Any]]) -> str:
+    evals = [r for r in rows if "bench" in r and r.get("stage") in AFTER_STAGES]
+    return _with_ci(evals[-1], "pass@1") if evals else "-"
+
+
+def _feedback(rows, base_rows, baseline) -> str:
+    """Per RL step, how often each textual-feedback detector fired (the share of
+    episodes showing the behaviour), the points trained and the mean teacher signal;
+    with a baseline run, both runs' first -> last rates and final held-out pass@1."""
+    steps = _rl_steps(rows)
+    names = _behaviours(rows)
+    if not names:
+        return "No textual-feedback metrics in the RL rows."
+    lines = ["Share of scored episodes on which each detector fired, per RL step."]
+    header = ["step", *names, "points trained", "signal"]
+    body = [
+        [str(r["step"])]
+        + [_fmt(r.get(FEEDBACK_PREFIX + n)) for n in names]
+        + [_fmt(r.get(FEEDBACK_PREFIX + "trained_points"), 0), _fmt(r.get("feedback_signal"))]
+        for r in steps
+    ]
+    lines.append(_table(header, body))
+    if base_rows is not None:
+        base = _rl_steps(base_rows)
+        cmp = [
+            [n, _first_last(steps, FEEDBACK_PREFIX + n), _first_last(base, FEEDBACK_PREFIX + n)]
+            for n in names
+        ]
+        cmp.append(["held-out pass@1 (last)", _final_pass(rows), _final_pass(base_rows)])
+        lines.append(f"Against the baseline run `{baseline}` (first → last step):")
+        lines.append(_table(["behaviour", "this run", "baseline"], cmp))
+    return "\n\n".join(lines)
+
+
+def _plot_feedback(rows, base_rows):
+    steps = _rl_steps(rows)
+    names = _behaviours(rows)
+    if not names:
+        return None
+    figure, axes = _figure(len(names))
+    for ax, name in zip(axes, names):
+        key = FEEDBACK_PREFIX + name
+        ax.plot(*_series(steps, key), "o-", label="this run")
+        if base_rows is not None:
+            ax.plot(*_series(_rl_steps(base_rows), key), "s--", label="baseline")
+            ax.legend(fontsize="small")
+        ax.set(title=name, xlabel="RL step", ylabel="share of episodes")
+        ax.set_ylim(-0.02, 1.02)
+    return figure
+
+
 def _plot_links(written: Sequence[str]) -> str:
     if not written:
         return "No plots (no data to plot yet)."
@@ -624,7 +710,13 @@ def _plot_rl_length(training: Sequence[dict[str, Any]]):
 
 def main(argv: Sequence[str]) -> None:
     del argv
-    print(write_report(flags.FLAGS.workdir, registry_path=flags.FLAGS.registry))
+    print(
+        write_report(
+            flags.FLAGS.workdir,
+            registry_path=flags.FLAGS.registry,
+            baseline=flags.FLAGS.baseline or None,
+        )
+    )
 
 
 if __name__ == "__main__":
@@ -634,5 +726,6 @@ if __name__ == "__main__":
     flags.DEFINE_string(
         "registry", None, "Saturation registry file (default WORKDIR/eval/registry.json)."
     )
+    flags.DEFINE_string("baseline", None, "Another run to compare with (textual feedback).")
     flags.mark_flags_as_required(["workdir"])
     app.run(main)

@@ -35,6 +35,12 @@ Choices, in the order they act:
    (``old_logprobs`` and the loss) with the same T, so the ratio and TIS compare like
    with like (veRL divides the actor's logits by the rollout temperature the same way).
 
+9. **Textual feedback** (``cursor_rl.rl.feedback``), when a batch carries teacher
+   rows: the same parameters score the hinted sequences (no gradient), and each
+   student token in a feedback window gets
+   ``A_t + coef * clip(logp_teacher - old_logprobs, -clip, clip)`` as its advantage,
+   in the same program, before the micro-batch loop.
+
 The update itself (optimizer, clipping, non-finite skip, router-bias update)
 is the trainer's (``cursor_rl.train.step``).
 """
@@ -62,6 +68,10 @@ RL_BATCH_KEYS = (
     "ref_logprobs",  # float32 [B, T]: a reference policy's (zeros when kl_coef = 0)
 )
 AGGREGATIONS = ("token_mean", "sequence_mean")
+# Textual feedback (``cursor_rl.rl.feedback``, choice 9): the hinted sequences as rows of
+# their own, and for each student token the flat index of the same token among them.
+TEACHER_KEYS = tuple(f"teacher_{k}" for k in step_lib.BATCH_KEYS)
+FEEDBACK_KEYS = ("feedback_index", *TEACHER_KEYS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +202,43 @@ def logprobs_step(
     return stats["logp"]
 
 
+def teacher_logprobs(
+    variables: dict[str, Any],
+    batch: Mapping[str, jax.Array],
+    *,
+    config: ModelConfig,
+    loss_chunk: int = 0,
+    temperature: float = 1.0,
+    chunk_rows: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """The teacher's log p of each student token in a feedback window (choice 9).
+
+    Scores the ``teacher_*`` rows (``chunk_rows`` at a time, 0: all at once) and
+    gathers, through ``feedback_index`` [B, T], the log-prob of the same token in its
+    hinted sequence. Returns (log-probs [B, T], 0 outside windows; the window mask).
+    """
+    teacher = {k: batch[f"teacher_{k}"] for k in step_lib.BATCH_KEYS}
+    rows = int(teacher["tokens"].shape[0])
+    chunk = (
+        rows
+        if chunk_rows <= 0
+        else max(d for d in range(1, rows + 1) if rows % d == 0 and d <= chunk_rows)
+    )
+
+    def score(rows_batch):
+        stats, _ = step_lib.token_stats(
+            config, variables["params"], variables["router"], rows_batch, loss_chunk,
+            temperature=temperature,
+        )  # fmt: skip
+        return stats["logp"]
+
+    chunks = jax.tree.map(lambda x: x.reshape(rows // chunk, chunk, *x.shape[1:]), teacher)
+    logp = jax.lax.stop_gradient(jax.lax.map(score, chunks)).reshape(-1)
+    index = batch["feedback_index"]
+    on = index >= 0
+    return jnp.where(on, logp[jnp.maximum(index, 0)], 0.0), on
+
+
 def grpo_step(
     state: step_lib.TrainState,
     batch: Mapping[str, jax.Array],
@@ -203,13 +250,34 @@ def grpo_step(
     microbatches: int = 1,
     loss_chunk: int = 0,
     temperature: float = 1.0,
+    feedback_coef: float = 0.0,
+    feedback_clip: float = 2.0,
 ) -> tuple[step_lib.TrainState, dict[str, jax.Array]]:
-    """One optimizer step of the GRPO objective on a batch of RL_BATCH_KEYS arrays.
+    """One optimizer step of the GRPO objective on a batch of RL_BATCH_KEYS arrays
+    (and FEEDBACK_KEYS when textual feedback found points in it, choice 9).
 
     ``temperature`` is the rollouts' sampling temperature: the policy being improved is
     ``softmax(logits / temperature)``, the distribution the tokens were drawn from
     (choice 8).
     """
+    batch = dict(batch)
+    feedback_metrics = {}
+    if "feedback_index" in batch:
+        fb = {k: batch.pop(k) for k in FEEDBACK_KEYS}
+        rows = int(batch["tokens"].shape[0])
+        teacher_lp, on = teacher_logprobs(
+            {"params": state.params, "router": state.router}, fb, config=config,
+            loss_chunk=loss_chunk, temperature=temperature, chunk_rows=rows // microbatches,
+        )  # fmt: skip
+        signal = jnp.where(
+            on, jnp.clip(teacher_lp - batch["old_logprobs"], -feedback_clip, feedback_clip), 0.0
+        )
+        batch["advantages"] = batch["advantages"] + feedback_coef * signal
+        tokens = on.astype(jnp.float32).sum()
+        feedback_metrics = {
+            "feedback_tokens": tokens,
+            "feedback_signal": signal.sum() / jnp.maximum(tokens, 1.0),
+        }
 
     def loss_fn(params, micro):
         stats, aux = step_lib.token_stats(
@@ -233,4 +301,5 @@ def grpo_step(
         jnp.maximum(diagnostics["ratio_sq_mean"] - jnp.square(diagnostics["ratio_mean"]), 0.0)
     )
     metrics.update({"policy_loss": loss, "learning_rate": schedule(state.step)})
+    metrics.update(feedback_metrics)
     return new_state, metrics

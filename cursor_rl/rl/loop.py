@@ -24,6 +24,7 @@ steps; the sampler stops then.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -44,7 +45,7 @@ from cursor_rl.env.pool import ToolPool
 from cursor_rl.eval import registry as eval_registry
 from cursor_rl.eval import runner as eval_runner
 from cursor_rl.ops import faults, heartbeat
-from cursor_rl.rl import grpo, rewards
+from cursor_rl.rl import feedback, grpo, rewards
 from cursor_rl.rl.rollout import RolloutConfig, RolloutRunner
 from cursor_rl.rl.trainer import RLTrainer
 from cursor_rl.sampler import Sampler, weights
@@ -452,16 +453,39 @@ def _trainer(ctx: _Context) -> RLTrainer:
     return trainer
 
 
+def _feedback_points(ctx: _Context, episodes, kept, advantages):
+    """Textual feedback's points (``rl.feedback``): the detectors run on every scored
+    episode, feedback on or off, so their rates (the behaviours) are in the metrics of
+    every run; with feedback on, an episode of a zero-variance group that has a point
+    is trained too, at advantage 0 (``feedback`` choice 5). Returns (episodes,
+    advantages, points or None, metrics)."""
+    config = feedback.FeedbackConfig.from_mapping(ctx.cfg.rl.feedback.to_dict())
+    scored = [e for e in episodes if e.finish_reason != "lost"]
+    found, metrics = feedback.find_points(
+        scored, ctx.chat, config, max_turns=int(ctx.cfg.rl.rollout.max_turns) or None
+    )
+    if not config.enabled:
+        return kept, advantages, None, metrics
+    point_of = {id(e): p for e, p in zip(scored, found)}
+    taken = {id(e) for e in kept}
+    extra = [e for e in scored if id(e) not in taken and point_of[id(e)] is not None]
+    kept, advantages = [*kept, *extra], [*advantages, *([0.0] * len(extra))]
+    metrics["feedback/zero_advantage_episodes"] = float(len(extra))
+    return kept, advantages, [point_of[id(e)] for e in kept], metrics
+
+
 def _train_on(trainer: RLTrainer, ctx: _Context, store: RolloutStore, index: int, writer):
     """One trainer step on rollout file ``index`` (or a skip if it is too stale)."""
     episodes, info = store.read(index)
     reward_config = rewards.RewardConfig.from_mapping(ctx.cfg.rl.reward.to_dict())
     kept, advantages, reward_metrics = score_groups(episodes, reward_config, trainer.grpo)
+    kept, advantages, points, feedback_metrics = _feedback_points(ctx, episodes, kept, advantages)
     if faults.inject_nan(ctx.workdir, "rl", index + 1):  # drills only (ops.faults)
         log.warning("RL step %d: injecting NaN advantages ($%s)", index + 1, faults.NAN_ENV)
         advantages = [float("nan")] * len(advantages)
     staleness = trainer.version - int(info.get("policy_version") or 0)
     row = {**reward_metrics, **rollout_metrics(episodes), "staleness": staleness}
+    row.update(feedback_metrics)
     row["rollout_seconds"] = float(info.get("rollout_seconds", 0.0))
     row["sample_rounds"] = int(info.get("sample_rounds", 1))
     if staleness > int(ctx.cfg.rl.max_staleness):
@@ -469,7 +493,8 @@ def _train_on(trainer: RLTrainer, ctx: _Context, store: RolloutStore, index: int
         log.warning("rollout %d is %d versions old: dropped", index, staleness)
     elif kept:
         start = time.time()
-        row.update(trainer.train(kept, advantages))
+        hint_ids = functools.partial(feedback.hint_tokens, ctx.chat)
+        row.update(trainer.train(kept, advantages, points=points, hint_ids=hint_ids))
         row["train_seconds"] = time.time() - start
     trainer.publish()
     row["policy_version"] = trainer.version

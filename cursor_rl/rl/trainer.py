@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -30,7 +30,7 @@ from cursor_rl import checkpoints, partitioning
 from cursor_rl.chat.episodes import Episode
 from cursor_rl.data import packing
 from cursor_rl.model.config import ModelConfig
-from cursor_rl.rl import grpo
+from cursor_rl.rl import feedback, grpo
 from cursor_rl.train import optimizer as optim
 from cursor_rl.train import step as step_lib
 
@@ -42,6 +42,32 @@ class BatchStats:
     tokens: int = 0  # real tokens (all roles)
     model_tokens: int = 0  # tokens with loss
     truncated: int = 0  # sequences cut at seq_len
+    feedback_points: int = 0  # episodes whose hinted segment became a teacher row
+    feedback_too_long: int = 0  # points whose hinted segment exceeds seq_len (dropped)
+    teacher_rows: int = 0
+
+
+def _pack(sequences: list[dict[str, np.ndarray]], seq_len: int, rows_multiple: int):
+    """First-fit decreasing (the shared packer, fed the sequences longest first); the
+    row count rounded up to a power of two times ``rows_multiple``."""
+    order = sorted(range(len(sequences)), key=lambda i: -sequences[i]["tokens"].shape[0])
+    rows = packing.pack_examples([sequences[i] for i in order], seq_len=seq_len)
+    num_rows = max(len(rows), 1)
+    num_rows = rows_multiple * 2 ** math.ceil(math.log2(max(num_rows / rows_multiple, 1)))
+    return rows, num_rows
+
+
+def _feedback_uids(mask: Sequence[int], start: int, window: int, first_uid: int) -> np.ndarray:
+    """-1, except a fresh id on each of the first ``window`` model tokens from ``start``."""
+    uids = np.full(len(mask), -1, np.int64)
+    uid = first_uid
+    for j in range(start, len(mask)):
+        if uid - first_uid >= window:
+            break
+        if mask[j]:
+            uids[j] = uid
+            uid += 1
+    return uids
 
 
 def build_batch(
@@ -51,6 +77,9 @@ def build_batch(
     seq_len: int,
     rows_multiple: int,
     aggregation: str,
+    points: Sequence[feedback.Point | None] | None = None,
+    hint_ids: Callable[[str], Sequence[int]] | None = None,
+    window: int = 0,
 ) -> tuple[dict[str, np.ndarray], BatchStats]:
     """Training rows (``grpo.RL_BATCH_KEYS`` except ``old_logprobs``) from episodes.
 
@@ -60,25 +89,52 @@ def build_batch(
       seq_len: row length.
       rows_multiple: the row count is a multiple of this.
       aggregation: ``token_mean`` or ``sequence_mean`` (see ``grpo``).
+      points: textual feedback (``rl.feedback``): per episode, where its hint goes, or
+        None. Each point's segment, with the hint (``hint_ids(point.hint)``) inserted,
+        becomes a teacher sequence; the ``window`` model tokens from the point are
+        linked to their copies there (``grpo.FEEDBACK_KEYS``). Without any point
+        that fits, the batch has no feedback keys.
     """
     stats = BatchStats()
-    sequences = []
-    for episode, advantage in zip(episodes, advantages):
+    sequences, teachers = [], []
+    next_uid = 0
+    for i, (episode, advantage) in enumerate(zip(episodes, advantages)):
         traj = episode.trajectory
+        point = points[i] if points is not None else None
         for s in range(len(traj.segment_starts)):
             tokens, mask, logprobs = traj.segment(s)
             lp = np.asarray(logprobs, np.float64)
-            example = packing.example_from_ids(
-                tokens,
-                mask,
-                {
-                    "advantages": np.full(len(tokens), advantage, np.float32),
-                    # NaN marks tokens the sampler did not produce (never trained).
-                    "sampler_logprobs": np.where(np.isnan(lp), 0.0, lp).astype(np.float32),
-                    "sequence_ids": np.full(len(tokens), len(sequences) + 1, np.int64),
-                },
-                require_loss=False,
-            )
+            fields = {
+                "advantages": np.full(len(tokens), advantage, np.float32),
+                # NaN marks tokens the sampler did not produce (never trained).
+                "sampler_logprobs": np.where(np.isnan(lp), 0.0, lp).astype(np.float32),
+                "sequence_ids": np.full(len(tokens), len(sequences) + 1, np.int64),
+            }
+            if points is not None:
+                fields["feedback_uid"] = np.zeros(len(tokens), np.int64)
+                start = traj.segment_starts[s]
+                if point is not None and start <= point.position < start + len(tokens):
+                    at = point.position - start
+                    hint = list(hint_ids(point.hint))
+                    if len(tokens) + len(hint) - 1 > seq_len:
+                        stats.feedback_too_long += 1
+                    else:
+                        uids = _feedback_uids(mask, at, window, next_uid)
+                        next_uid = int(uids.max(initial=next_uid - 1)) + 1
+                        # Stored +1: the packer pads fields with 0, which must mean "none".
+                        fields["feedback_uid"] = uids + 1
+                        teacher_ids = [*tokens[:at], *hint, *tokens[at:]]
+                        teacher_uid = np.concatenate([uids[:at], np.full(len(hint), -1), uids[at:]])
+                        teachers.append(
+                            packing.example_from_ids(
+                                teacher_ids,
+                                np.zeros(len(teacher_ids), np.int32),
+                                {"feedback_uid": teacher_uid + 1},
+                                require_loss=False,
+                            )
+                        )
+                        stats.feedback_points += 1
+            example = packing.example_from_ids(tokens, mask, fields, require_loss=False)
             if example is None:
                 continue
             if example["tokens"].shape[0] > seq_len:
@@ -87,11 +143,7 @@ def build_batch(
             sequences.append(example)
             stats.tokens += example["tokens"].shape[0]
             stats.model_tokens += int(example["loss_mask"].sum())
-    # First-fit decreasing: the shared packer, fed the sequences longest first.
-    order = sorted(range(len(sequences)), key=lambda i: -sequences[i]["tokens"].shape[0])
-    rows = packing.pack_examples([sequences[i] for i in order], seq_len=seq_len)
-    num_rows = max(len(rows), 1)
-    num_rows = rows_multiple * 2 ** math.ceil(math.log2(max(num_rows / rows_multiple, 1)))
+    rows, num_rows = _pack(sequences, seq_len, rows_multiple)
     shape = (num_rows, seq_len)
     out = {
         "tokens": np.zeros(shape, np.int32),
@@ -104,13 +156,38 @@ def build_batch(
         "ref_logprobs": np.zeros(shape, np.float32),
     }
     sequence_ids = np.zeros(shape, np.int64)
+    student_uid = np.full(shape, -1, np.int64)
     for r, row in enumerate(rows):
         sequence_ids[r] = row.pop("sequence_ids")
+        if "feedback_uid" in row:
+            student_uid[r] = row.pop("feedback_uid") - 1
         for k, v in row.items():
             out[k][r] = v
     out["token_weight"] = grpo.token_weights(out["loss_mask"], sequence_ids, aggregation)
     stats.sequences, stats.rows = len(sequences), num_rows
+    if teachers:
+        out.update(_teacher_rows(teachers, student_uid, seq_len, rows_multiple))
+        stats.teacher_rows = out["teacher_tokens"].shape[0]
     return out, stats
+
+
+def _teacher_rows(teachers, student_uid, seq_len, rows_multiple) -> dict[str, np.ndarray]:
+    """The hinted sequences packed into ``teacher_*`` rows, and ``feedback_index``: for
+    each student target in a window, the flat index of its copy among them (else -1)."""
+    rows, num_rows = _pack(teachers, seq_len, rows_multiple)
+    shape = (num_rows, seq_len)
+    out = {f"teacher_{k}": np.zeros(shape, np.int32) for k in step_lib.BATCH_KEYS}
+    teacher_uid = np.full(shape, -1, np.int64)
+    for r, row in enumerate(rows):
+        teacher_uid[r] = row.pop("feedback_uid") - 1
+        for k, v in row.items():
+            out[f"teacher_{k}"][r] = v
+    flat = teacher_uid.reshape(-1)
+    where = np.full(int(flat.max(initial=-1)) + 1, -1, np.int64)
+    where[flat[flat >= 0]] = np.nonzero(flat >= 0)[0]
+    index = np.where(student_uid >= 0, where[np.maximum(student_uid, 0)], -1)
+    out["feedback_index"] = index.astype(np.int32)
+    return out
 
 
 class RLTrainer:
@@ -134,6 +211,7 @@ class RLTrainer:
         self.mesh = partitioning.make_mesh(cfg.mesh.ici.to_dict(), cfg.mesh.dcn.to_dict())
         self.rules = partitioning.make_rules(cfg.mesh.rules_preset, cfg.mesh.rules.to_dict())
         self.grpo = grpo.GRPOConfig.from_mapping(rl.grpo.to_dict())
+        self.feedback = feedback.FeedbackConfig.from_mapping(rl.feedback.to_dict())
         # The rollouts' temperature: the trainer scores the distribution they drew from.
         self.temperature = float(rl.rollout.temperature)
         if self.temperature <= 0:
@@ -216,9 +294,12 @@ class RLTrainer:
 
     def _update(self, state, batch):
         count = self.microbatches(int(batch["tokens"].shape[0]))
-        if count not in self._updates:
-            batch_sh = {k: self.batch_sharding for k in grpo.RL_BATCH_KEYS}
-            self._updates[count] = jax.jit(
+        with_feedback = "feedback_index" in batch
+        key = (count, with_feedback)
+        if key not in self._updates:
+            keys = grpo.RL_BATCH_KEYS + (grpo.FEEDBACK_KEYS if with_feedback else ())
+            batch_sh = {k: self.batch_sharding for k in keys}
+            self._updates[key] = jax.jit(
                 functools.partial(
                     grpo.grpo_step,
                     config=self.model_config,
@@ -228,12 +309,14 @@ class RLTrainer:
                     microbatches=count,
                     loss_chunk=int(self.cfg.train.loss_chunk_size),
                     temperature=self.temperature,
+                    feedback_coef=self.feedback.coef,
+                    feedback_clip=self.feedback.clip,
                 ),
                 in_shardings=(self.shardings, batch_sh),
                 out_shardings=(self.shardings, None),
                 donate_argnums=(0,),
             )
-        return self._updates[count](state, batch)
+        return self._updates[key](state, batch)
 
     def _old_logprobs(self, host: dict[str, np.ndarray]) -> np.ndarray:
         """The current policy's log-probs of ``host``'s rows, in slices of at most
@@ -262,8 +345,16 @@ class RLTrainer:
             self.policies.wait()
         return f"{self.policies.directory}/{version}"
 
-    def train(self, episodes: Sequence[Episode], advantages: Sequence[float]) -> dict[str, float]:
-        """GRPO updates on ``episodes`` (their advantages given); returns averaged metrics."""
+    def train(
+        self,
+        episodes: Sequence[Episode],
+        advantages: Sequence[float],
+        *,
+        points: Sequence[feedback.Point | None] | None = None,
+        hint_ids: Callable[[str], Sequence[int]] | None = None,
+    ) -> dict[str, float]:
+        """GRPO updates on ``episodes`` (their advantages given); returns averaged metrics.
+        ``points`` and ``hint_ids``: textual feedback (``build_batch``)."""
         rl = self.cfg.rl
         slices = int(rl.updates_per_batch)
         host, stats = build_batch(
@@ -272,6 +363,9 @@ class RLTrainer:
             seq_len=int(rl.train_seq_len),
             rows_multiple=self.rows_multiple * slices,
             aggregation=self.grpo.aggregation,
+            points=points,
+            hint_ids=hint_ids,
+            window=self.feedback.window,
         )
         with partitioning.use_mesh(self.mesh, self.rules):
             put = lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x)
@@ -279,7 +373,11 @@ class RLTrainer:
             rows = host["tokens"].shape[0] // slices
             collected = []
             for i in range(slices):
-                part = {k: v[i * rows : (i + 1) * rows] for k, v in host.items()}
+                # Teacher rows are indexed as a whole (feedback_index): every slice has them.
+                part = {
+                    k: v if k in grpo.TEACHER_KEYS else v[i * rows : (i + 1) * rows]
+                    for k, v in host.items()
+                }
                 # Each slice's weights sum to its share, so slices weigh as in one update.
                 part["token_weight"] = part["token_weight"] * slices
                 part = {k: put(v) for k, v in part.items()}
@@ -294,6 +392,9 @@ class RLTrainer:
                 "train_tokens": stats.tokens,
                 "train_model_tokens": stats.model_tokens,
                 "train_truncated": stats.truncated,
+                "feedback/trained_points": stats.feedback_points,
+                "feedback/too_long": stats.feedback_too_long,
+                "feedback/teacher_rows": stats.teacher_rows,
             }
         )
         return out
