@@ -222,8 +222,10 @@ class Role:
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self.done = False
+        self.seen_exit = False  # this life's exit was handled
 
     def start(self) -> None:
+        self.seen_exit = False
         env = {**os.environ, heartbeat.ROLE_ENV: self.name}
         out = None
         if self.log_dir:
@@ -243,15 +245,17 @@ class Role:
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM to the process group, SIGKILL after ``grace_s``. A role that already
-        exited may have left processes in its group (tool workers, sandboxes): they get
-        SIGKILL, so a restarted role never races its previous life."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is not None:
+    def kill_leftovers(self) -> None:
+        """SIGKILL to what an exited role left in its process group (tool workers,
+        sandboxes), so a restarted role never races its previous life. Called as soon
+        as the exit is seen: later, the group id could name someone else's group."""
+        if self.proc is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the process group, SIGKILL after ``grace_s``."""
+        if self.proc is None or self.proc.poll() is not None:
             return
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
             try:
@@ -359,9 +363,13 @@ class Watchdog:
         """One poll: exits of the roles, then the detectors; acts on what is new."""
         new = []
         for role in self.roles.values():
-            code = role.poll()
-            if role.done or code is None:
+            if role.done or role.seen_exit:
                 continue
+            code = role.poll()
+            if code is None:
+                continue
+            role.seen_exit = True
+            role.kill_leftovers()
             if code == 0:
                 role.done = True
                 heartbeat.record_event(self.workdir, "role_exited", role=role.name, code=0)
@@ -456,7 +464,7 @@ class Watchdog:
         said = []
         for r in roles:
             if not stopped:
-                r.stop()  # a stalled role, or what a crashed one left behind
+                r.stop()  # a stalled role (a crashed one's leftovers are gone already)
             r.restarts += 1
             r.done = False
             r.start()
