@@ -56,7 +56,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from cursor_rl.eval import registry as registry_lib
-from cursor_rl.ops import heartbeat
+from cursor_rl.ops import detectors, heartbeat
 from cursor_rl.train.metrics import read_metrics
 from cursor_rl.workdir import Workdir, write_text_atomic
 
@@ -494,16 +494,10 @@ FEEDBACK_COUNTS = ("points", "detector_errors", "zero_advantage_episodes", "trai
                    "too_long", "teacher_rows")  # fmt: skip
 
 
-def _rl_steps(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The RL trainer's rows, the last per step, in step order."""
-    rl = [r for r in rows if r.get("stage") == "rl" and "scored_episodes" in r]
-    return list(_by_step(rl, "scored_episodes").values())
-
-
 def _behaviours(rows: Sequence[dict[str, Any]]) -> list[str]:
     names = {
         k[len(FEEDBACK_PREFIX) :]
-        for r in _rl_steps(rows)
+        for r in detectors.rl_train_rows(rows)
         for k in r
         if k.startswith(FEEDBACK_PREFIX)
     }
@@ -519,7 +513,7 @@ def _feedback(rows, base_rows, baseline) -> str:
     """Per RL step, how often each textual-feedback detector fired (the share of
     episodes showing the behaviour), the points trained and the mean teacher signal;
     with a baseline run, both runs' first -> last rates and final held-out pass@1."""
-    steps = _rl_steps(rows)
+    steps = detectors.rl_train_rows(rows)
     names = _behaviours(rows)
     if not names:
         return "No textual-feedback metrics in the RL rows."
@@ -533,7 +527,7 @@ def _feedback(rows, base_rows, baseline) -> str:
     ]
     lines.append(_table(header, body))
     if base_rows is not None:
-        base = _rl_steps(base_rows)
+        base = detectors.rl_train_rows(base_rows)
         cmp = [
             [n, _first_last(steps, FEEDBACK_PREFIX + n), _first_last(base, FEEDBACK_PREFIX + n)]
             for n in names
@@ -545,7 +539,7 @@ def _feedback(rows, base_rows, baseline) -> str:
 
 
 def _plot_feedback(rows, base_rows):
-    steps = _rl_steps(rows)
+    steps = detectors.rl_train_rows(rows)
     names = _behaviours(rows)
     if not names:
         return None
@@ -554,7 +548,7 @@ def _plot_feedback(rows, base_rows):
         key = FEEDBACK_PREFIX + name
         ax.plot(*_series(steps, key), "o-", label="this run")
         if base_rows is not None:
-            ax.plot(*_series(_rl_steps(base_rows), key), "s--", label="baseline")
+            ax.plot(*_series(detectors.rl_train_rows(base_rows), key), "s--", label="baseline")
             ax.legend(fontsize="small")
         ax.set(title=name, xlabel="RL step", ylabel="share of episodes")
         ax.set_ylim(-0.02, 1.02)

@@ -138,7 +138,7 @@ def loss_spikes(
     return found
 
 
-def _rl_train_rows(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+def rl_train_rows(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The RL trainer's rows (one per rollout batch), last row per step."""
     by_step = {}
     for row in rows:
@@ -152,7 +152,7 @@ def infra_failures(
 ) -> list[Finding]:
     """The share of episodes lost to the sandbox or the infrastructure (not graded)
     over the last ``window`` RL batches is above ``max_rate``."""
-    recent = _rl_train_rows(rows)[-window:]
+    recent = rl_train_rows(rows)[-window:]
     if len(recent) < window:
         return []
     lost = sum(float(r.get("episodes_lost") or 0) for r in recent)
@@ -187,9 +187,7 @@ def reward_collapse(
     """The mean RL reward of the last ``window`` steps is below ``fraction`` of the
     best earlier ``window``-step mean, which was at least ``min_best``."""
     rewards = [
-        (r.get("step"), float(r["reward"]))
-        for r in _rl_train_rows(rows)
-        if _finite(r.get("reward"))
+        (r.get("step"), float(r["reward"])) for r in rl_train_rows(rows) if _finite(r.get("reward"))
     ]
     if len(rewards) < 2 * window:
         return []

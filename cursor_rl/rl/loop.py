@@ -453,13 +453,12 @@ def _trainer(ctx: _Context) -> RLTrainer:
     return trainer
 
 
-def _feedback_points(ctx: _Context, episodes, kept, advantages):
+def _feedback_points(ctx: _Context, config: feedback.FeedbackConfig, episodes, kept, advantages):
     """Textual feedback's points (``rl.feedback``): the detectors run on every scored
     episode, feedback on or off, so their rates (the behaviours) are in the metrics of
     every run; with feedback on, an episode of a zero-variance group that has a point
     is trained too, at advantage 0 (``feedback`` choice 5). Returns (episodes,
     advantages, points or None, metrics)."""
-    config = feedback.FeedbackConfig.from_mapping(ctx.cfg.rl.feedback.to_dict())
     scored = [e for e in episodes if e.finish_reason != "lost"]
     found, metrics = feedback.find_points(
         scored, ctx.chat, config, max_turns=int(ctx.cfg.rl.rollout.max_turns) or None
@@ -479,7 +478,9 @@ def _train_on(trainer: RLTrainer, ctx: _Context, store: RolloutStore, index: int
     episodes, info = store.read(index)
     reward_config = rewards.RewardConfig.from_mapping(ctx.cfg.rl.reward.to_dict())
     kept, advantages, reward_metrics = score_groups(episodes, reward_config, trainer.grpo)
-    kept, advantages, points, feedback_metrics = _feedback_points(ctx, episodes, kept, advantages)
+    kept, advantages, points, feedback_metrics = _feedback_points(
+        ctx, trainer.feedback, episodes, kept, advantages
+    )
     if faults.inject_nan(ctx.workdir, "rl", index + 1):  # drills only (ops.faults)
         log.warning("RL step %d: injecting NaN advantages ($%s)", index + 1, faults.NAN_ENV)
         advantages = [float("nan")] * len(advantages)
