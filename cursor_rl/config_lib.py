@@ -241,6 +241,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.sft_data = ml_collections.ConfigDict()
     c.sft_data.demos = 0
     c.sft_data.plan = "full"  # full | short (cursor_rl.tasks.builtin_sft.plan_episode)
+    # Share of the demonstrations that follow a mid-episode hint (the ``hinted`` plan:
+    # textual feedback's hint for submitting untested, then the check it asks for).
+    c.sft_data.hinted_share = 0.0
     c.sft_data.workers = 2
 
     c.rl = _rl_defaults()

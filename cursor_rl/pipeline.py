@@ -15,7 +15,9 @@ import ml_collections
 from jax.experimental import multihost_utils
 
 from cursor_rl import hostmem, stages
+from cursor_rl.env import tools as env_tools
 from cursor_rl.eval import report
+from cursor_rl.rl import hints
 from cursor_rl.rl import loop as rl_loop
 from cursor_rl.tasks import builtin_sft, records
 from cursor_rl.train import loop as train_loop
@@ -61,6 +63,7 @@ def prepare_sft_data(
     whose SFT stage reads them.
 
     The scripted solver runs on the first ``sft_data.demos`` of the run's training tasks
+    (``sft_data.hinted_share`` of them with the ``hinted`` plan, builtin_sft choice 5)
     (the RL stage's datasets, built now if needed; ``rl.tasks.skip_demonstrated`` keeps
     RL off them) in the real harness, with the run's system prompt and tool
     listing, so SFT teaches exactly the episode format RL samples in. The data
@@ -77,11 +80,16 @@ def prepare_sft_data(
         start = time.time()
         train_dir, _ = rl_loop.task_datasets(stages.stage_config(config, "rl"), workdir)
         tasks = records.load_tasks(os.path.join(train_dir, records.TASKS_FILE))[:n]
+        share = float(config.sft_data.get("hinted_share", 0.0))
+        tool_names = ", ".join(spec.name for spec in env_tools.TOOL_SPECS)
         demos = list(
             builtin_sft.demonstrations(
                 tasks,
                 dataset_dir=train_dir,
-                plan=config.sft_data.plan,
+                plans=builtin_sft.hinted_plans(len(tasks), config.sft_data.plan, share),
+                hint=hints.HINTS["submitted_without_tests"].format(
+                    tools=tool_names, tool="", path=""
+                ),
                 tools_style=config.harness.tools_style,
                 workers=int(config.sft_data.workers),
                 log=lambda line: None,

@@ -127,3 +127,36 @@ def test_demonstrations_round_trip_through_jsonl(tiny_tasks, tmp_path):
     assert record["id"] == demos[0].task_id
     loaded = sft.conversation_from_record(record, str(path))
     assert chat.render(loaded).tokens == chat.render(list(demos[0].messages)).tokens
+
+
+def test_hinted_plans_spread_the_share_evenly():
+    """hinted_plans puts the hinted plan on round(share * n) tasks, spread out."""
+    plans = builtin_sft.hinted_plans(8, "short", 0.25)
+    assert plans == ["short", "short", "short", "hinted"] * 2
+    assert builtin_sft.hinted_plans(5, "full", 0.0) == ["full"] * 5
+    assert builtin_sft.hinted_plans(3, "short", 1.0) == ["hinted"] * 3
+    with pytest.raises(ValueError, match="hinted_share"):
+        builtin_sft.hinted_plans(3, "short", 1.5)
+
+
+@pytest.mark.slow
+def test_hinted_demonstration_runs_the_check_the_hint_asks_for(tiny_tasks):
+    """The hinted plan: read, edit, the hint as a user turn, the check, submit; the
+    episode resolves and its messages render to the harness's own tokens."""
+    dataset_dir, tasks = tiny_tasks
+    chat = protocol.ChatFormat(builtin_sft.harness_tokenizer())
+    hint = "Before you submit, run the tests."
+    demo = builtin_sft.run_demonstration(
+        tasks[0], chat, dataset_dir=dataset_dir, plan="hinted", hint=hint
+    )
+    assert demo.resolved and demo.check_passed and demo.usable
+    roles = [m.role for m in demo.messages]
+    assert roles.count("user") == 2 and demo.messages[roles.index("user", 2)].content == hint
+    after = demo.messages[roles.index("user", 2) + 1 :]
+    calls = [c.name for m in after for c in m.tool_calls]
+    assert calls == ["run_terminal", "submit"]
+    before = demo.messages[: roles.index("user", 2)]
+    before_calls = [c.name for m in before for c in m.tool_calls]
+    assert before_calls[0] == "read_file" and set(before_calls[1:]) == {"edit_file"}
+    with pytest.raises(ValueError, match="hint"):
+        builtin_sft.run_demonstration(tasks[0], chat, dataset_dir=dataset_dir, plan="hinted")

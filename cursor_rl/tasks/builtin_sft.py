@@ -35,6 +35,14 @@ Design choices:
 4. **The agent's ``python`` is the task's interpreter** (``grading.sandbox_kwargs``
    puts it on the sandbox ``PATH``), the interpreter the grader runs the hidden tests
    with.
+5. **Hinted demonstrations teach the policy to follow a hint.** Textual feedback
+   (``cursor_rl.rl.feedback``) scores an episode with a hint inserted where it went
+   wrong; that teacher is only as good as the policy's response to hints, and a model
+   trained only on single-instruction episodes has none. The ``hinted`` plan is the
+   short plan with textual feedback's own hint for submitting untested inserted as a
+   user turn after the edit, followed by the check it asks for: mixed into SFT
+   (``sft_data.hinted_share``), the short episodes still submit untested, and the
+   hinted ones show what the hint should change.
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ from cursor_rl.env.sandbox import Sandbox
 from cursor_rl.tasks import build, grading, records
 
 SYSTEM_PROMPT = harness.DEFAULT_SYSTEM_PROMPT
-PLANS = ("full", "short")
+PLANS = ("full", "short", "hinted")
 _CHECK_ASSERTS = 3  # assertions of the FAIL_TO_PASS tests turned into the quick check
 
 
@@ -267,23 +275,30 @@ def plan_episode(
     start_tree: dict[str, str],
     solution: dict[str, str | None],
     plan: str = "full",
+    hint: str = "",
 ) -> list[protocol.Message]:
-    """The scripted agent's assistant turns for ``task`` (an oracle: it knows the patch).
+    """The scripted agent's turns for ``task`` (an oracle: it knows the patch).
 
     Args:
       task: a task record with a ``solution_patch``.
       start_tree: the task's starting repository (path -> text).
       solution: the files the solution changes (``grading.solution_files``).
-      plan: ``full`` (read, reproduce, edit, re-check, submit) or ``short`` (read,
+      plan: ``full`` (read, reproduce, edit, re-check, submit), ``short`` (read,
         edit, submit: the shortest successful episode, for small models whose
-        contexts and budgets are small).
+        contexts and budgets are small) or ``hinted`` (choice 5: read, edit, then
+        a user turn with ``hint``, then the check the hint asks for, then submit).
+      hint: the user turn of the ``hinted`` plan (textual feedback's hint for
+        submitting without running the tests, ``cursor_rl.rl.hints``).
 
     Returns:
-      The assistant messages, one per turn, ending with the ``submit`` call.
+      The messages, one per turn (assistant turns, and the ``hinted`` plan's user
+      turn), ending with the ``submit`` call.
     """
     if plan not in PLANS:
         raise ValueError(f"plan={plan!r}: one of {PLANS}")
-    short = plan == "short"
+    if plan == "hinted" and not hint.strip():
+        raise ValueError("plan='hinted' needs the hint text")
+    short = plan in ("short", "hinted")
     symbol, file = task.provenance.symbol, task.provenance.file
     check = _check_command(task)
     turns = []
@@ -316,8 +331,19 @@ def plan_episode(
     }[task.category]
     turns.append(protocol.Message("assistant", explain, tuple(edits)))
     old_name = _renamed_symbol(task) if task.category == "refactor" else None
-    if short:
+    if plan == "short":
         turns.append(protocol.Message("assistant", "Done. Submitting.", (_call("submit"),)))
+        return turns
+    if plan == "hinted":
+        turns.append(protocol.Message("user", hint))
+        turns.append(
+            protocol.Message(
+                "assistant", "Let me run the check first.", (_call("run_terminal", command=check),)
+            )
+        )
+        turns.append(
+            protocol.Message("assistant", "The check passes. Submitting.", (_call("submit"),))
+        )
         return turns
     if old_name:
         turns.append(
@@ -350,6 +376,7 @@ def run_demonstration(
     dataset_dir: str = "",
     plan: str = "full",
     tools_style: str = "json",
+    hint: str = "",
 ) -> Demonstration:
     """Runs the scripted agent on ``task`` in a sandbox and grades the result.
 
@@ -359,6 +386,7 @@ def run_demonstration(
       dataset_dir: the task dataset's directory (for ``dir`` snapshots).
       plan: the solver's plan (``plan_episode``).
       tools_style: how the system prompt lists the tools (``protocol.tools_prompt``).
+      hint: the ``hinted`` plan's user turn.
 
     Returns:
       The demonstration (messages exactly as the harness rendered them).
@@ -371,7 +399,8 @@ def run_demonstration(
         workspace = os.path.join(root, "workspace")
         shutil.copytree(spec.pristine_repo, workspace)
         start_tree = records.read_tree(workspace)
-        turns = plan_episode(task, start_tree, grading.solution_files(task, workspace), plan)
+        solution = grading.solution_files(task, workspace)
+        turns = plan_episode(task, start_tree, solution, plan, hint)
         specs = tools.TOOL_SPECS
         messages = [
             protocol.Message("system", harness.system_message(SYSTEM_PROMPT, specs, tools_style)),
@@ -387,6 +416,10 @@ def run_demonstration(
                 tools_style=tools_style,
             )
             for turn in turns:
+                if turn.role == "user":  # the hinted plan's hint, between two turns
+                    episode.add_user_message(turn.content)
+                    messages.append(turn)
+                    continue
                 step = episode.step(chat.assistant_body(turn))
                 messages.append(turn)
                 messages += [protocol.Message("tool", r.text) for r in step.results]
@@ -419,26 +452,45 @@ def demonstrations(
     plan: str = "full",
     tools_style: str = "json",
     workers: int = 1,
+    plans: Sequence[str] | None = None,
+    hint: str = "",
 ) -> Iterator[Demonstration]:
     """Runs ``run_demonstration`` over ``tasks``, yielding the usable ones in task order.
 
-    With ``workers > 1`` episodes run in that many fresh interpreter processes
-    (``spawn``: the caller may have imported JAX, which must not be forked); each
-    builds its own ``harness_tokenizer`` chat format.
+    ``plans`` gives each task its own plan (``hinted_plans``), else every task gets
+    ``plan``. With ``workers > 1`` episodes run in that many fresh interpreter
+    processes (``spawn``: the caller may have imported JAX, which must not be forked);
+    each builds its own ``harness_tokenizer`` chat format.
     """
-    kwargs = dict(dataset_dir=dataset_dir, plan=plan, tools_style=tools_style)
+    tasks = list(tasks)
+    plans = list(plans) if plans is not None else [plan] * len(tasks)
+    if len(plans) != len(tasks):
+        raise ValueError(f"{len(plans)} plans for {len(tasks)} tasks")
+    kwargs = dict(dataset_dir=dataset_dir, tools_style=tools_style, hint=hint)
     if workers > 1:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            results = pool.map(functools.partial(_run_with_own_chat, **kwargs), tasks)
+            results = pool.map(functools.partial(_run_with_own_chat, **kwargs), tasks, plans)
             yield from _keep_usable(results, log)
         return
     chat = chat or protocol.ChatFormat(harness_tokenizer())
-    yield from _keep_usable((run_demonstration(t, chat, **kwargs) for t in tasks), log)
+    runs = (run_demonstration(t, chat, plan=p, **kwargs) for t, p in zip(tasks, plans))
+    yield from _keep_usable(runs, log)
 
 
-def _run_with_own_chat(task: records.TaskRecord, **kwargs: Any) -> Demonstration:
-    return run_demonstration(task, protocol.ChatFormat(harness_tokenizer()), **kwargs)
+def hinted_plans(count: int, plan: str, hinted_share: float) -> list[str]:
+    """``count`` plans: ``plan``, with ``hinted`` spread evenly over ``hinted_share`` of
+    them (task ``i`` is hinted when ``floor((i + 1) * share)`` steps up)."""
+    if not 0.0 <= hinted_share <= 1.0:
+        raise ValueError(f"hinted_share={hinted_share}: a fraction in [0, 1]")
+    return [
+        "hinted" if int((i + 1) * hinted_share) > int(i * hinted_share) else plan
+        for i in range(count)
+    ]
+
+
+def _run_with_own_chat(task: records.TaskRecord, plan: str, **kwargs: Any) -> Demonstration:
+    return run_demonstration(task, protocol.ChatFormat(harness_tokenizer()), plan=plan, **kwargs)
 
 
 def _keep_usable(demos: Iterable[Demonstration], log: Any) -> Iterator[Demonstration]:
