@@ -125,7 +125,9 @@ def _rl_defaults() -> ml_collections.ConfigDict:
     rl.sampler.mesh = ml_collections.ConfigDict()  # axis sizes; empty: the default device
     rl.eval = ml_collections.ConfigDict()
     rl.eval.every = 10  # RL steps between held-out evals (0: before and after only; -1: none)
-    rl.eval.samples = 4  # samples per task (pass@k for k up to this)
+    # Samples per task (pass@k and best-of-k for k up to this): 16, the best-of-16
+    # Composer 2 tracks. Budget-bound configs lower it (configs/tiny.py: 4).
+    rl.eval.samples = 16
     rl.eval.num_tasks = 0  # 0: every bench task
     rl.eval.temperature = 1.0
     rl.eval.seed = 1234
@@ -136,6 +138,13 @@ def _rl_defaults() -> ml_collections.ConfigDict:
     # Also evaluate the long-context checkpoint (the model before SFT) once, before RL,
     # as stage "base": the report's learning table reads base -> SFT -> RL.
     rl.eval.base = True
+    # The saturation registry (cursor_rl.eval.registry): empty, the run's own
+    # WORKDIR/eval/registry.json; else one registry shared by every run of the
+    # experiment (an absolute path or gs:// URL), so a benchmark retired by one run
+    # is not evaluated by the next.
+    rl.eval.registry = ""
+    # A benchmark is retired once an eval's pass@1 reaches this (Composer 2: 90%).
+    rl.eval.retire_at = 0.9
     rl.tasks = ml_collections.ConfigDict()
     rl.tasks.train = ""  # a task dataset directory; empty: build the family into WORKDIR/tasks
     rl.tasks.bench = ""
@@ -223,6 +232,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer.eps = 1e-8
     c.optimizer.weight_decay = 0.1  # not applied to norms, biases or embeddings
     c.optimizer.clip_norm = 1.0
+    # MuonClip's QK-clip threshold tau on attention logits (Kimi K2: 100); 0 = off.
+    # After each update, heads whose max pre-softmax logit exceeded tau get their
+    # query/key weights scaled down to bound it (cursor_rl/train/optimizer.py note 5).
+    c.optimizer.qk_clip_tau = 0.0
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 50

@@ -38,6 +38,7 @@ def test_retires_at_threshold_and_persists(tmp_path):
     reopened = registry_lib.Registry(path)
     entry = reopened.benchmarks()["tiny_bench"]
     assert entry["status"] == "retired"
+    record = entry["retired"].pop("record")  # the retiring eval's own file
     assert entry["retired"] == {
         "stage": "rl",
         "step": 20,
@@ -45,11 +46,15 @@ def test_retires_at_threshold_and_persists(tmp_path):
         "time": 0.0,
         "pass@1": 0.9,
         "threshold": 0.9,
+        "run": None,
     }
+    assert entry["history"][2]["record"] == record
     assert [h["step"] for h in entry["history"]] == [0, 10, 20, 30]
     assert entry["history"][1]["k"] == 8 and entry["history"][1]["pass@k"] == 1.0
     assert not reopened.is_active("tiny_bench")
-    assert os.listdir(tmp_path / "eval") == ["registry.json"]  # no temporary left behind
+    # One record per eval beside the (legacy) file path; no temporary left behind.
+    assert os.listdir(tmp_path / "eval") == ["registry.records"]
+    assert len(os.listdir(tmp_path / "eval" / "registry.records")) == 4
 
 
 def test_threshold_is_configurable_and_lists(tmp_path):
@@ -94,9 +99,10 @@ def test_corrupt_registry_is_a_clear_error(tmp_path, content, reason):
     assert path.read_text() == content  # never overwritten
 
 
-def test_file_is_plain_json(tmp_path):
+def test_records_are_plain_json(tmp_path):
     path = tmp_path / "r.json"
     registry_lib.Registry(str(path)).record(_summary(0.1))
-    state = json.loads(path.read_text())
-    assert state["format"] == 1
-    assert state["benchmarks"]["tiny_bench"]["status"] == "active"
+    (record,) = os.listdir(tmp_path / "r.records")
+    state = json.loads((tmp_path / "r.records" / record).read_text())
+    assert state["format"] == 2 and state["bench"] == "tiny_bench"
+    assert state["pass@1"] == 0.1 and state["threshold"] == 0.9

@@ -245,7 +245,7 @@ def test_gs_workdir_rl_files_and_local_copies(tmp_path, monkeypatch):
         assert Tokenizer.load(wd.tokenizer_file).to_json() == tokenizer.to_json()
     assert (bucket / "run" / "rl" / "rollouts" / "000000.json").exists()
     assert (bucket / "run" / "rl" / "DONE").exists()
-    assert (bucket / "run" / "eval" / "registry.json").exists()
+    assert len(list((bucket / "run" / "eval" / "registry.records").iterdir())) == 1  # one record
 
 
 def test_stand_in_refuses_appends_like_gcs(tmp_path):

@@ -37,6 +37,14 @@ Choices:
    resampled with the same seed, hence the same task draws, and the generator is
    seeded, so a summary is a pure function of its episodes. Only the ``overall``
    group carries intervals (``"ci"``); categories hold too few tasks for them.
+8. **Checkpoints are compared on the same tasks** (``paired_difference``): the
+   difference of two checkpoints' pass@1 is the mean over the tasks both scored of
+   the per-task differences, and its interval resamples those tasks (one draw picks
+   a task for both checkpoints), so the variation between tasks, which both share,
+   cancels: a paired interval is much narrower than two overlapping unpaired ones.
+   The two checkpoints *separate* when the interval excludes 0. Per-task pass@1
+   comes from the evals' kept episodes (``task_pass_rates``: the fraction of a
+   task's scored samples that resolved it, lost ones left out as in choice 4).
 
 Pure Python and NumPy; no JAX. Episodes are read by attribute only (``task_id``,
 ``category``, ``finish_reason``, ``outcome()``, ``generated_tokens``,
@@ -131,6 +139,69 @@ def bootstrap_ci(
     tail = (1.0 - level) / 2.0
     low, high = np.quantile(means, [tail, 1.0 - tail])
     return float(low), float(high)
+
+
+def task_pass_rates(episodes: Iterable[Any]) -> dict[str, float]:
+    """Per-task pass@1: the fraction of each task's scored samples that resolved it.
+
+    Args:
+      episodes: ``Episode``s, or the episode lines of ``eval/<bench>/results.jsonl``
+        as dicts (``task_id``, ``finish_reason``, ``resolved``).
+
+    Returns:
+      ``{task_id: pass@1}`` for every task with at least one scored sample.
+    """
+    counts: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for episode in episodes:
+        if isinstance(episode, dict):
+            task, reason, resolved = (
+                episode.get("task_id"),
+                episode.get("finish_reason"),
+                episode.get("resolved"),
+            )
+        else:
+            task, reason, resolved = episode.task_id, episode.finish_reason, episode.resolved
+        if reason == LOST:
+            continue
+        tally = counts[str(task)]
+        tally[0] += bool(resolved)
+        tally[1] += 1
+    return {task: solved / total for task, (solved, total) in counts.items()}
+
+
+def paired_difference(
+    before: dict[str, float],
+    after: dict[str, float],
+    *,
+    resamples: int = CI_RESAMPLES,
+    level: float = CI_LEVEL,
+    seed: int = CI_SEED,
+) -> dict[str, Any] | None:
+    """``after - before`` of a per-task metric over the tasks both have (choice 8).
+
+    Args:
+      before, after: ``{task_id: value}`` of two checkpoints (``task_pass_rates``).
+      resamples, level, seed: as for ``bootstrap_ci`` (the paired bootstrap is the
+        bootstrap of the per-task differences).
+
+    Returns:
+      ``{"tasks": n, "before": mean, "after": mean, "difference": mean of the
+      per-task differences, "ci": (low, high), "separated": the interval excludes
+      0}``, the means over the shared tasks; None when no task is shared.
+    """
+    shared = sorted(set(before) & set(after))
+    if not shared:
+        return None
+    diffs = [after[t] - before[t] for t in shared]
+    low, high = bootstrap_ci(diffs, resamples=resamples, level=level, seed=seed)
+    return {
+        "tasks": len(shared),
+        "before": float(np.mean([before[t] for t in shared])),
+        "after": float(np.mean([after[t] for t in shared])),
+        "difference": float(np.mean(diffs)),
+        "ci": (low, high),
+        "separated": low > 0 or high < 0,
+    }
 
 
 def _check_counts(n: int, k: int) -> None:

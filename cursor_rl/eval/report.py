@@ -4,8 +4,9 @@
 
 Choices:
 
-1. **metrics.jsonl is the main input** (plus the saturation registry and the
-   watchdog's event log, ``WORKDIR/ops/events.jsonl``), read with
+1. **metrics.jsonl is the main input** (plus the saturation registry, the
+   held-out evals' episodes for the paired comparisons and the watchdog's event
+   log, ``WORKDIR/ops/events.jsonl``), read with
    ``cursor_rl.train.metrics.read_metrics``, so a report can be written at any time,
    for a finished run or one still going, on a machine with no accelerator.
 2. **Held-out eval rows are the rows with a ``bench`` key** (``runner.eval_row``);
@@ -23,12 +24,23 @@ Choices:
    self-summarisation totals of the RL rollouts (``summarised_episodes`` of
    ``scored_episodes`` per step, with ``summarised_reward`` and
    ``unsummarised_reward``, from ``rl.loop.score_groups``).
+   **Discrimination**: for each pair of those checkpoints (base -> SFT, SFT -> RL,
+   base -> RL) the difference of their pass@1 on the tasks both were evaluated on,
+   with a paired bootstrap interval over tasks (``metrics.paired_difference``, from
+   each eval's episodes in ``WORKDIR/eval/<bench>/results.jsonl``: the lines of
+   that eval's stage and step), and a line saying which pairs the benchmark
+   separates (the interval excludes 0) and which it does not. A benchmark that
+   separates none of a run's checkpoints measures nothing about that run.
 4. **A restart may log a step twice**; series keep the last row of each step, in
    step order. Wall time of a stage is the span of its rows' ``time`` (downtime
    between a crash and its resume included).
 5. **Whatever is missing is skipped**: a stage, a metric, a plot with no data or an
    unreadable registry leaves a line saying so, never an exception, so a partial run
    still gets its report.
+7. **The registry is the run's**: ``--registry`` if given, else the config's
+   ``rl.eval.registry`` (read from ``WORKDIR/config.json``; a shared registry holds
+   every run of the experiment), else ``WORKDIR/eval/registry.json``; its section
+   lists each benchmark's status and its last evals across runs.
 6. **Plots use matplotlib's object API on an Agg canvas** (no pyplot): nothing
    global (backend, open-figure registry) changes in the process that calls it.
 
@@ -45,6 +57,8 @@ RL steps, a panel per detector; with ``--baseline`` the other run's curves too).
 from __future__ import annotations
 
 import datetime
+import itertools
+import json
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -55,7 +69,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from cursor_rl.eval import metrics as metrics_lib
 from cursor_rl.eval import registry as registry_lib
+from cursor_rl.eval.runner import RESULTS_FILE
 from cursor_rl.ops import detectors, heartbeat
 from cursor_rl.train.metrics import read_metrics
 from cursor_rl.workdir import Workdir, write_text_atomic
@@ -85,7 +101,8 @@ def write_report(
 
     Args:
       workdir: the run's directory (local or ``gs://``).
-      registry_path: the saturation registry (default ``WORKDIR/eval/registry.json``).
+      registry_path: the saturation registry (default: the config's
+        ``rl.eval.registry``, else ``WORKDIR/eval/registry.json``; choice 7).
       baseline: another run to compare with (e.g. the same seed with textual feedback
         off): its behaviour rates and held-out pass@1 join the feedback section and
         ``feedback.png``.
@@ -114,13 +131,13 @@ def write_report(
             with workdir.plot_file(name).open("wb") as fh:
                 figure.savefig(fh, format="png", dpi=110)
             written.append(name)
-    registry = registry_lib.Registry(registry_path or workdir.registry_file)
+    registry = _registry(workdir, registry_path)
     sections = [
         f"# Run report: {workdir}",
         f"Written {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')} "
         f"from {len(rows)} rows of metrics.jsonl.",
         "## Stages\n\n" + _stage_table(rows, stages),
-        "## Learning\n\n" + _learning(evals, training, stages),
+        "## Learning\n\n" + _learning(evals, training, stages, workdir),
         "## RL\n\n" + _rl_table(training),
         "## Held-out benchmark: before vs after RL\n\n" + _before_after(evals),
         "## Textual feedback\n\n" + _feedback(rows, base_rows, baseline),
@@ -227,11 +244,15 @@ def _rl_table(training: Sequence[dict[str, Any]]) -> str:
 
 
 def _learning(
-    evals: Sequence[dict[str, Any]], training: Sequence[dict[str, Any]], stages: Sequence[str]
+    evals: Sequence[dict[str, Any]],
+    training: Sequence[dict[str, Any]],
+    stages: Sequence[str],
+    workdir: Workdir,
 ) -> str:
     return "\n\n".join(
         [
             "### Held-out benchmark: base → SFT → RL\n\n" + _checkpoint_tables(evals),
+            "### Discrimination between checkpoints\n\n" + _discrimination(workdir, evals),
             "### Copy probe\n\n" + _copy_probe_table(training, stages),
             "### RL reward per step\n\n" + _reward_steps(training),
             "### Self-summarisation in RL rollouts\n\n" + _summarisation(training),
@@ -285,6 +306,113 @@ def _checkpoint_tables(evals: Sequence[dict[str, Any]]) -> str:
         "samples that passed)."
     )
     return "\n\n".join([note, *parts])
+
+
+def _discrimination(workdir: Workdir, evals: Sequence[dict[str, Any]]) -> str:
+    """Choice 3's discrimination: paired pass@1 differences between checkpoints."""
+    if not evals:
+        return "No held-out evaluation recorded."
+    parts = [
+        "Δ pass@1 = later − earlier checkpoint on the tasks both were evaluated on; "
+        f"paired bootstrap {metrics_lib.CI_LEVEL:.0%} interval over tasks "
+        "(cursor_rl.eval.metrics.paired_difference). A pair is separated when its "
+        "interval excludes 0."
+    ]
+    for bench in dict.fromkeys(r["bench"] for r in evals):
+        picked = _checkpoint_evals([r for r in evals if r["bench"] == bench])
+        present = [(label, row) for label, row, _ in picked if row is not None]
+        head = f"#### {bench}\n\n"
+        if len(present) < 2:
+            parts.append(head + "Fewer than two checkpoints evaluated: nothing to compare.")
+            continue
+        episodes, unreadable = _result_lines(workdir, bench)
+        if not episodes:
+            parts.append(
+                head + f"No per-episode results in `eval/{bench}/{RESULTS_FILE}`: the paired "
+                "comparison needs each task's samples."
+            )
+            continue
+        rates = {
+            label: metrics_lib.task_pass_rates(
+                e
+                for e in episodes
+                if e.get("stage") == row.get("stage") and _same_step(e.get("step"), row)
+            )
+            for label, row in present
+        }
+        body, separated, not_separated = [], [], []
+        labels = [label for label, _ in present]
+        pairs = list(itertools.pairwise(labels))  # each step of the recipe, then its span
+        if len(labels) > 2:
+            pairs.append((labels[0], labels[-1]))
+        for first, second in pairs:
+            pair = f"{first} → {second}"
+            diff = metrics_lib.paired_difference(rates[first], rates[second])
+            if diff is None:
+                body.append([pair, "0", "-", "-", "no shared task"])
+                not_separated.append(pair)
+                continue
+            low, high = diff["ci"]
+            sign = "+" if diff["difference"] >= 0 else ""
+            body.append(
+                [
+                    pair,
+                    str(diff["tasks"]),
+                    f"{_fmt(diff['before'])} → {_fmt(diff['after'])}",
+                    f"{sign}{_fmt(diff['difference'])} [{_fmt(low)}, {_fmt(high)}]",
+                    "yes" if diff["separated"] else "no",
+                ]
+            )
+            (separated if diff["separated"] else not_separated).append(pair)
+        header = ["checkpoints", "tasks", "pass@1", "Δ pass@1 [95% CI]", "separated"]
+        lines = [head + _table(header, body)]
+        if separated and not not_separated:
+            verdict = f"{bench} separates every pair of checkpoints ({', '.join(separated)})."
+        elif separated:
+            verdict = (
+                f"{bench} separates {', '.join(separated)}; it does not separate "
+                f"{', '.join(not_separated)} (intervals include 0)."
+            )
+        else:
+            verdict = (
+                f"{bench} does not separate these checkpoints: every interval includes 0 "
+                "(more tasks or samples, or a harder benchmark, are needed to tell them apart)."
+            )
+        lines.append(verdict)
+        if unreadable:
+            lines.append(
+                f"{unreadable} unreadable line(s) of `eval/{bench}/{RESULTS_FILE}` skipped."
+            )
+        parts.append("\n\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def _same_step(step: Any, row: dict[str, Any]) -> bool:
+    return _number(step) and _number(row.get("step")) and int(step) == int(row["step"])
+
+
+def _result_lines(workdir: Workdir, bench: str) -> tuple[list[dict[str, Any]], int]:
+    """The episode lines of ``eval/<bench>/results.jsonl`` (without trajectories) and
+    how many lines could not be read (a torn last line after a crash)."""
+    path = workdir.eval_dir / bench / RESULTS_FILE
+    if not path.exists():
+        return [], 0
+    lines, unreadable = [], 0
+    with path.open("r", encoding="utf-8") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                unreadable += 1
+                continue
+            if not isinstance(record, dict):
+                unreadable += 1
+                continue
+            record.pop("trajectory", None)
+            lines.append(record)
+    return lines, unreadable
 
 
 def _checkpoint_evals(
@@ -561,9 +689,31 @@ def _plot_links(written: Sequence[str]) -> str:
     return "\n\n".join(f"![{name[:-4]}]({name})" for name in written)
 
 
-def _registry_status(registry: registry_lib.Registry) -> str:
+REGISTRY_HISTORY = 10  # the registry section shows each benchmark's last evals
+
+
+def _registry(workdir: Workdir, registry_path: str | None) -> registry_lib.Registry | str:
+    """The run's registry (choice 7), or why it cannot be opened."""
+    shared = ""
+    if registry_path:
+        shared = registry_path
+    elif workdir.config_file.exists():
+        try:
+            config = json.loads(workdir.config_file.read_text(encoding="utf-8"))
+            shared = str(config.get("rl", {}).get("eval", {}).get("registry") or "")
+        except (ValueError, AttributeError):
+            shared = ""  # an unreadable config: the run's own registry
     try:
-        return registry.markdown()
+        return registry_lib.Registry.for_run(workdir, shared)
+    except ValueError as err:  # a path that names no usable place (WorkdirError)
+        return f"Unreadable: {err}"
+
+
+def _registry_status(registry: registry_lib.Registry | str) -> str:
+    if isinstance(registry, str):
+        return registry
+    try:
+        return registry.markdown(history=REGISTRY_HISTORY)
     except registry_lib.RegistryError as err:
         return f"Unreadable: {err}"
 
@@ -718,7 +868,10 @@ if __name__ == "__main__":
     # cursor_rl.main, which owns --workdir already.
     flags.DEFINE_string("workdir", None, "The run's directory (holds metrics.jsonl).")
     flags.DEFINE_string(
-        "registry", None, "Saturation registry file (default WORKDIR/eval/registry.json)."
+        "registry",
+        None,
+        "Saturation registry (default: the config's rl.eval.registry, else "
+        "WORKDIR/eval/registry.json).",
     )
     flags.DEFINE_string("baseline", None, "Another run to compare with (textual feedback).")
     flags.mark_flags_as_required(["workdir"])

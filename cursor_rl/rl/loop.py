@@ -385,7 +385,9 @@ class _SamplerSide:
         """Held-out eval (skipped once the benchmark is retired as saturated)."""
         e = self.ctx.cfg.rl.eval
         self.ctx.beat.progress(f"eval_{stage}", step)
-        registry = eval_registry.Registry(self.ctx.workdir.registry_file)
+        registry = eval_registry.Registry.for_run(
+            self.ctx.workdir, str(e.get("registry", "")), threshold=float(e.get("retire_at", 0.9))
+        )
         if not registry.is_active(str(e.bench_name)):
             log.info("benchmark %s is retired (saturated): not evaluated", e.bench_name)
             return {}

@@ -17,6 +17,8 @@ two modes:
 
 ``cursor_rl.tasks.sources.repo_source`` turns an installed repository into a task
 source; ``python -m cursor_rl.tasks.autoinstall --out=DIR PATH...`` installs a batch.
+From the task builder, ``python -m cursor_rl.tasks.build --source=PATH
+--autoinstall=heuristic|agent|scripted`` picks the mode (choice 5).
 
 Design choices:
 
@@ -39,8 +41,21 @@ Design choices:
 4. **Failures are data.** ``autoinstall`` never raises: a failure returns a result
    with a reason from ``FAILURE_REASONS`` and writes ``failure.json`` plus the log, so
    a batch over many repositories always finishes.
+5. **The agent is part of the settings.** ``AutoinstallConfig.agent`` (an ``Agent``:
+   a policy per repository, its chat format, a turn limit) switches ``autoinstall``
+   itself to the agent mode, so every caller (``sources.repo_source``, the task
+   builder) runs it unchanged. Two agents: ``model_agent(PATH)``, a policy sampled
+   from a trainer checkpoint, an HF directory or a built-in base (``tiny``), and
+   ``scripted_agent()``, which replays the heuristic plan through the harness tools
+   (list the repository, run each install command, write the recipe, submit): the
+   agent mode's plumbing end to end without a model, and its baseline. Which one
+   ran is logged first in ``autoinstall.log``; the recipe's ``mode`` says whether
+   the agent's recipe or the heuristic fallback was kept. The scripted agent's
+   tokens only carry its text to the harness and back, so any byte-level tokenizer
+   with the chat tokens does: it trains a small one on the agent's prompt (no model,
+   no file).
 
-Pure Python, no JAX.
+Pure Python, no JAX (``model_agent`` and ``resolve_policy`` import it when called).
 """
 
 from __future__ import annotations
@@ -61,6 +76,8 @@ from typing import Any
 
 from absl import flags
 
+from cursor_rl.chat.protocol import ChatFormat, Message, ToolCall
+from cursor_rl.chat.tokenizer import Tokenizer
 from cursor_rl.env.harness import AgentEpisode
 from cursor_rl.env.sandbox import Limits, Sandbox, unavailable_reason
 from cursor_rl.env.tools import TOOL_SPECS, Tools
@@ -156,6 +173,28 @@ class AutoinstallResult:
     workdir: str
 
 
+# A policy maps the prompt's token ids to one sampled assistant turn's token ids.
+Policy = Callable[[list[int]], list[int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Agent:
+    """Who runs the agent mode (choice 5).
+
+    Attributes:
+      name: what it is, for the log (``scripted``, or the model's path).
+      chat: the ``ChatFormat`` of the policy's tokenizer.
+      policy_for: the policy for one repository (its path); called once per
+        repository, inside the agent run (its errors fall back to the heuristic).
+      max_turns: assistant turns before the episode is cut.
+    """
+
+    name: str
+    chat: ChatFormat
+    policy_for: Callable[[str], Policy]
+    max_turns: int = 30
+
+
 @dataclasses.dataclass(frozen=True)
 class AutoinstallConfig:
     """Settings of Autoinstall.
@@ -172,6 +211,8 @@ class AutoinstallConfig:
       install_timeout_s: limit of each install command.
       check_timeout_s: limit of the validation test.
       limits: sandbox limits (None: the harness defaults).
+      agent: None for the heuristic mode; an ``Agent`` for the agent mode with the
+        heuristic as its fallback (choice 5).
     """
 
     pip_args: tuple[str, ...] | None = None
@@ -181,6 +222,7 @@ class AutoinstallConfig:
     install_timeout_s: float = 900.0
     check_timeout_s: float = 600.0
     limits: Limits | None = None
+    agent: Agent | None = None
 
 
 # ---- pip configuration and the install sandbox ----
@@ -442,7 +484,10 @@ def autoinstall(
     *,
     discovery: buildfiles.Discovery | None = None,
 ) -> AutoinstallResult:
-    """Heuristic Autoinstall of one repository; never raises (choice 4).
+    """Autoinstall of one repository; never raises (choice 4).
+
+    The heuristic mode, or with ``config.agent`` the agent mode (``agent_install``,
+    the heuristic mode its fallback; choice 5).
 
     Args:
       repo: the repository directory (left untouched).
@@ -455,6 +500,16 @@ def autoinstall(
       The result; ``result.recipe`` is set when the validation test passed.
     """
     config = config or AutoinstallConfig()
+    if config.agent is not None and discovery is None:
+        agent = config.agent
+        return agent_install(
+            repo,
+            workdir,
+            _lazy_policy(agent, repo),
+            agent.chat,
+            config,
+            max_turns=agent.max_turns,
+        )
     os.makedirs(workdir, exist_ok=True)
     log: list[str] = []
     try:
@@ -516,9 +571,6 @@ AGENT_TASK = """Make the repository in `repo/` installable and testable.
 5. Call submit.
 """
 
-# A policy maps the prompt's token ids to one sampled assistant turn's token ids.
-Policy = Callable[[list[int]], list[int]]
-
 
 def agent_install(
     repo: str,
@@ -547,8 +599,9 @@ def agent_install(
       The agent's result (``recipe.mode == "agent"``) or the heuristic fallback's.
     """
     config = config or AutoinstallConfig()
+    heuristic = dataclasses.replace(config, agent=None)
     os.makedirs(workdir, exist_ok=True)
-    log: list[str] = []
+    log: list[str] = [f"agent: {config.agent.name if config.agent else 'caller-supplied policy'}"]
     try:
         if unavailable_reason() is not None:
             return _finish(workdir, repo, "sandbox_unavailable", None, [str(unavailable_reason())])
@@ -568,6 +621,11 @@ def agent_install(
                 step = episode.step(policy(episode.prompt()))
                 for call, result in zip(step.parsed.calls, step.results):
                     log.append(f"agent: {call}\n{result.text[-2000:]}")
+                if not step.parsed.calls:  # the turn that ended the episode
+                    log.append(f"agent turn {episode.turns} made no call: "
+                               f"{step.parsed.content[-500:]!r}")  # fmt: skip
+            if not episode.submitted and episode.turns >= max_turns:
+                log.append(f"agent cut off after max_turns={max_turns} turns")
         claimed = _agent_recipe(os.path.join(installer.env_dir, AGENT_RECIPE_FILE))
         if claimed is not None:
             discovery, commands = claimed
@@ -583,11 +641,154 @@ def agent_install(
             log.append("the agent wrote no valid recipe")
     except Exception:
         log.append(traceback.format_exc())
-    fallback = autoinstall(repo, os.path.join(workdir, "heuristic"), config)
+    fallback = autoinstall(repo, os.path.join(workdir, "heuristic"), heuristic)
     note = "\n".join(log)
     with open(os.path.join(workdir, LOG_FILE), "w", encoding="utf-8") as f:
         f.write(note + "\n--- heuristic fallback ---\n" + fallback.log)
     return dataclasses.replace(fallback, log=note + "\n--- heuristic fallback ---\n" + fallback.log)
+
+
+def _lazy_policy(agent: Agent, repo: str) -> Policy:
+    """``agent.policy_for(repo)``, made at the first turn (inside the agent run, whose
+    errors fall back to the heuristic) and kept for the rest of the episode."""
+    made: list[Policy] = []
+
+    def policy(prompt: list[int]) -> list[int]:
+        if not made:
+            made.append(agent.policy_for(repo))
+        return made[0](prompt)
+
+    return policy
+
+
+def scripted_agent(config: AutoinstallConfig | None = None, *, max_turns: int = 30) -> Agent:
+    """The scripted agent (choice 5): the heuristic plan replayed through the tools.
+
+    Per repository it reads the build files (``buildfiles.discover``, host side, read
+    only), then plays one tool call per turn: ``list_dir repo``, each install command
+    with ``run_terminal`` (in the sandbox), the recipe written with ``edit_file``, and
+    ``submit``; after its plan it ends the episode with a turn without calls.
+
+    Args:
+      config: the settings the install commands are made with (pip options).
+      max_turns: assistant turns before the episode is cut (a plan needs 3 + the
+        number of install commands).
+    """
+    config = config or AutoinstallConfig()
+    schemas = [json.dumps(spec.json_schema()) for spec in TOOL_SPECS]
+    chat = ChatFormat(Tokenizer.train([AGENT_SYSTEM, AGENT_TASK, *schemas], vocab_size=400))
+
+    def policy_for(repo: str) -> Policy:
+        return _scripted_policy(chat, _scripted_turns(repo, config))
+
+    return Agent(name="scripted", chat=chat, policy_for=policy_for, max_turns=max_turns)
+
+
+def _scripted_turns(repo: str, config: AutoinstallConfig) -> list[ToolCall]:
+    plan = buildfiles.discover(repo)
+    # Only the installer's commands are used (nothing is prepared in its workdir).
+    commands = _Installer(repo, repo, config).install_commands(plan)
+    recipe = {
+        "install_commands": commands,
+        "test_command": plan.test_command,
+        "framework": plan.framework,
+        "python_path": list(plan.python_path),
+        "packages": list(plan.packages),
+        "test_files": list(plan.test_files),
+    }
+    turns = [ToolCall("list_dir", {"path": "repo"})]
+    turns += [ToolCall("run_terminal", {"command": c, "timeout_s": 600}) for c in commands]
+    write = {"path": AGENT_RECIPE_FILE, "old_str": "", "new_str": json.dumps(recipe, indent=1)}
+    turns.append(ToolCall("edit_file", write))
+    turns.append(ToolCall("submit", {}))
+    return turns
+
+
+def _scripted_policy(chat: ChatFormat, turns: Sequence[ToolCall]) -> Policy:
+    queue = list(turns)
+
+    def policy(prompt: list[int]) -> list[int]:
+        del prompt  # the plan does not depend on what the tools said
+        calls = (queue.pop(0),) if queue else ()
+        text = "" if calls else "Nothing left to do."
+        return chat.assistant_body(Message("assistant", text, tool_calls=calls))
+
+    return policy
+
+
+def model_agent(
+    path: str,
+    *,
+    max_turns: int = 30,
+    max_new_tokens: int = 512,
+    temperature: float = 0.6,
+    seed: int = 0,
+) -> Agent:
+    """A model's policy as the agent (choice 5), sampled with ``cursor_rl.sampler``.
+
+    Each turn is sampled from the whole conversation so far (``Sampler.generate``;
+    nothing is cached between turns: an install takes a few dozen turns at most).
+
+    Args:
+      path: a built-in base name (``cursor_rl.bases``, e.g. ``tiny``), an HF directory
+        of the project's export (``config.json``, ``model.safetensors``,
+        ``tokenizer.json``), or a trainer checkpoint (a step directory or a
+        checkpoints directory, its latest step; the tokenizer from its metadata).
+      max_turns: assistant turns before the episode is cut.
+      max_new_tokens: tokens per assistant turn.
+      temperature: sampling temperature (0: greedy).
+      seed: the sampling seed.
+
+    Raises:
+      ValueError: ``path`` names none of these (checked before any model loads).
+    """
+    # JAX only here: the heuristic and scripted modes stay pure Python.
+    from cursor_rl.sampler.chat import load_sampler
+    from cursor_rl.sampler.sampler import Sampler
+    from cursor_rl.sampler.sampling import SamplingParams
+
+    kind, where = resolve_policy(path)
+    if kind == "hf":
+        tokenizer = Tokenizer.load(os.path.join(where, "tokenizer.json"))
+        sampler = Sampler.from_hf(where, tokenizer=tokenizer, num_slots=1)
+    else:
+        sampler = load_sampler(where, num_slots=1)
+    chat = ChatFormat(sampler.tokenizer)
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        stop_token_ids=chat.stop_token_ids,
+        seed=seed,
+    )
+
+    def policy(prompt: list[int]) -> list[int]:
+        return list(sampler.generate([prompt], params)[0].tokens)
+
+    return Agent(name=path, chat=chat, policy_for=lambda repo: policy, max_turns=max_turns)
+
+
+def resolve_policy(path: str) -> tuple[str, str]:
+    """What ``model_agent``'s ``path`` names: ``("hf", directory)`` for a built-in base
+    or an HF directory, ``("checkpoint", path)`` for a trainer checkpoint.
+
+    Raises:
+      ValueError: it names none of these (nothing is loaded to find out but the
+        checkpoint's metadata).
+    """
+    from cursor_rl import bases, checkpoints  # JAX (and Orbax): the agent mode only
+
+    hf_dir = bases.BUILTIN.get(path, path)
+    if os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        return "hf", hf_dir
+    try:
+        checkpoints.read_metadata(path)
+    except (checkpoints.CheckpointError, OSError, ValueError) as err:
+        raise ValueError(
+            f"autoinstall policy {path!r} is not a built-in base "
+            f"({', '.join(sorted(bases.BUILTIN))}), an HF directory with model.safetensors, "
+            f"or a trainer checkpoint ({err})"
+        ) from err
+    return "checkpoint", path
 
 
 def _agent_recipe(path: str) -> tuple[buildfiles.Discovery, list[str]] | None:

@@ -8,11 +8,32 @@
         --decontaminate_against=/data/tiny/train --decontaminate_threshold=0.99
     python -m cursor_rl.tasks.build --source=/src/myrepo --split=train --out=/data/myrepo
     python -m cursor_rl.tasks.build --source=sdist:attrs==23.2.0 --out=/data/attrs
+    python -m cursor_rl.tasks.build --source=/src/myrepo --out=/data/myrepo \
+        --autoinstall=agent --autoinstall_policy=WORKDIR/sft/checkpoints
+    python -m cursor_rl.tasks.build --source=/src/myrepo --out=/data/myrepo --autoinstall=scripted
 
 Writes into ``--out``: ``tasks.jsonl`` (the records, see ``cursor_rl.tasks.records``),
 ``stats.json`` (counts per category, source, generator; rejection reasons;
 timings), ``rejections.jsonl`` (every rejected candidate with its reason) and, for
 repositories, ``autoinstall/`` (the environment recipe and logs).
+
+How a repository source is installed (``--autoinstall``, ``cursor_rl.tasks.autoinstall``):
+
+* ``heuristic`` (default): read the build files, install, validate;
+* ``agent``: a model finds the install and test commands itself in the sandbox,
+  with the harness tools; ``--autoinstall_policy`` names it (a trainer checkpoint,
+  an HF directory or a built-in base such as ``tiny``) and is required: a model is
+  never picked implicitly, so a recipe's provenance is always the one asked for;
+* ``scripted``: the scripted agent (the heuristic plan replayed through the same
+  tools; no model), for the agent mode's plumbing and as its baseline.
+
+Either agent's recipe is kept only if the same validation test passes; otherwise
+(no recipe, a recipe that fails the test, an error, ``--autoinstall_max_turns`` turns
+used up) the heuristic mode runs as the fallback. ``OUT/autoinstall/autoinstall.log``
+says which agent ran and what it did, then the fallback's log; the recipe's ``mode``
+says which recipe was kept. The flags apply to repository sources only: with
+``stdlib`` or ``tiny`` (nothing to install) a mode other than ``heuristic`` is an
+error, as are ``--autoinstall_policy`` without ``agent`` and an unknown mode.
 
 How candidates are chosen: for each repository and each generator, the candidates
 are shuffled with ``--seed`` and validated in that order until
@@ -23,7 +44,7 @@ tasks (the tiny family uses a few per module, for variety). Repositories are
 validated in parallel (``--workers`` threads; each test run is a sandboxed process);
 the threads take turns generating candidates (``_AST_LOCK``).
 
-Pure Python, no JAX.
+Pure Python, no JAX (but for the agent mode's model, imported only when it loads).
 """
 
 from __future__ import annotations
@@ -59,6 +80,7 @@ from cursor_rl.tasks.generators.base import SourceRepo
 
 STATS_FILE = "stats.json"
 REJECTIONS_FILE = "rejections.jsonl"
+AUTOINSTALL_MODES = ("heuristic", "agent", "scripted")  # --autoinstall
 
 # Candidate generation parses Python with ``ast``, which CPython 3.11 cannot do on two
 # threads at once: the conversion to ``ast`` objects counts its recursion depth in
@@ -99,6 +121,10 @@ class BuildConfig:
       decontaminate_corpus: pretraining corpus specs (``stdlib``, ``files:...``) whose
         documents count as training data for the same check.
       decontaminate_threshold: see above (n-gram overlap, ``cursor_rl.tasks.contamination``).
+      autoinstall: how a repository source is installed: ``heuristic``, ``agent`` or
+        ``scripted`` (module docstring).
+      autoinstall_policy: the agent mode's model (required by ``agent`` only).
+      autoinstall_max_turns: the agent's assistant turns before it is cut off.
     """
 
     source: str
@@ -118,6 +144,9 @@ class BuildConfig:
     decontaminate_against: str = ""
     decontaminate_corpus: tuple[str, ...] = ()
     decontaminate_threshold: float = 0.5
+    autoinstall: str = "heuristic"
+    autoinstall_policy: str = ""
+    autoinstall_max_turns: int = 30
 
 
 @dataclasses.dataclass
@@ -344,7 +373,7 @@ def iter_repos(config: BuildConfig, failures: list[dict[str, Any]]) -> Iterator[
     else:
         workdir = os.path.join(config.out, "autoinstall")
         try:
-            yield sources.repo_source(config.source, workdir)
+            yield sources.repo_source(config.source, workdir, autoinstall_config(config))
         except autoinstall.AutoinstallFailed as e:
             failures.append(
                 {
@@ -356,14 +385,56 @@ def iter_repos(config: BuildConfig, failures: list[dict[str, Any]]) -> Iterator[
             )
 
 
+def check_autoinstall(config: BuildConfig) -> None:
+    """Raises ValueError for an Autoinstall setting that cannot apply (module docstring)."""
+    mode = config.autoinstall
+    if mode not in AUTOINSTALL_MODES:
+        raise ValueError(f"--autoinstall={mode!r}: must be one of {', '.join(AUTOINSTALL_MODES)}")
+    if mode != "heuristic" and config.source in ("stdlib", "tiny"):
+        raise ValueError(
+            f"--autoinstall={mode} applies to repository sources (a path or sdist:NAME); "
+            f"--source={config.source} has nothing to install"
+        )
+    if config.autoinstall_policy and mode != "agent":
+        raise ValueError(f"--autoinstall_policy is used by --autoinstall=agent only (here {mode})")
+    if mode == "agent":
+        if not config.autoinstall_policy:
+            raise ValueError(
+                "--autoinstall=agent needs --autoinstall_policy (a trainer checkpoint, an HF "
+                "directory or a built-in base such as tiny); --autoinstall=scripted runs the "
+                "scripted agent without a model"
+            )
+        autoinstall.resolve_policy(config.autoinstall_policy)
+    if config.autoinstall_max_turns < 1:
+        raise ValueError(f"--autoinstall_max_turns={config.autoinstall_max_turns} must be >= 1")
+
+
+def autoinstall_config(config: BuildConfig) -> autoinstall.AutoinstallConfig:
+    """Autoinstall's settings for ``config.autoinstall`` (the agent mode loads its model)."""
+    if config.autoinstall == "scripted":
+        agent = autoinstall.scripted_agent(max_turns=config.autoinstall_max_turns)
+    elif config.autoinstall == "agent":
+        agent = autoinstall.model_agent(
+            config.autoinstall_policy, max_turns=config.autoinstall_max_turns, seed=config.seed
+        )
+    else:
+        agent = None
+    return autoinstall.AutoinstallConfig(agent=agent)
+
+
 def build(config: BuildConfig, *, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Builds the dataset described by ``config`` into ``config.out``.
 
     Returns:
       The statistics also written to ``stats.json``.
+
+    Raises:
+      ValueError: a setting that cannot apply (split, generator, Autoinstall mode),
+        before anything is built.
     """
     if config.split not in splits.SPLITS:
         raise ValueError(f"--split must be one of {splits.SPLITS}")
+    check_autoinstall(config)
     for name in (*config.generators, *config.generator_caps):
         generators.get(name)  # fail early on a typo
     os.makedirs(config.out, exist_ok=True)
@@ -545,7 +616,29 @@ def main(argv: Iterable[str] | None = None) -> int:
         "decontaminate_corpus", [], "Drop tasks overlapping this corpus spec.", flag_values=fv
     )
     flags.DEFINE_float("decontaminate_threshold", 0.5, "Overlap threshold.", flag_values=fv)
-    fv(list(argv if argv is not None else sys.argv))
+    flags.DEFINE_enum(
+        "autoinstall",
+        "heuristic",
+        list(AUTOINSTALL_MODES),
+        "How a repository source is installed: heuristic (its build files), agent (the "
+        "model of --autoinstall_policy in the sandbox) or scripted (the scripted agent); "
+        "both agents fall back to the heuristic.",
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
+        "autoinstall_policy",
+        "",
+        "The agent mode's model: a trainer checkpoint, an HF directory or a built-in base.",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "autoinstall_max_turns", 30, "Agent turns before it is cut off.", flag_values=fv
+    )
+    try:
+        fv(list(argv if argv is not None else sys.argv))
+    except flags.Error as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if not fv.source or not fv.out:
         print("--source and --out are required", file=sys.stderr)
         return 2
@@ -569,7 +662,15 @@ def main(argv: Iterable[str] | None = None) -> int:
         decontaminate_against=fv.decontaminate_against,
         decontaminate_corpus=tuple(fv.decontaminate_corpus),
         decontaminate_threshold=fv.decontaminate_threshold,
+        autoinstall=fv.autoinstall,
+        autoinstall_policy=fv.autoinstall_policy,
+        autoinstall_max_turns=fv.autoinstall_max_turns,
     )
+    try:
+        check_autoinstall(config)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     stats = build(config)
     print(format_stats(stats))
     return 0 if stats["tasks"] else 1

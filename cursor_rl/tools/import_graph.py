@@ -30,6 +30,19 @@ DEFERRED: dict[tuple[str, str], str] = {
     ("cursor_rl.data.pipeline", "cursor_rl.data.seqio_bridge"): (
         "the seqio bridge imports the seqio extra (seqio, tensorflow) at its top"
     ),
+    **{
+        ("cursor_rl.tasks.autoinstall", module): (
+            "only Autoinstall's agent mode loads a model (JAX, Orbax); the heuristic and "
+            "scripted modes, and the task factory that imports them, stay pure Python"
+        )
+        for module in (
+            "cursor_rl.sampler.chat",
+            "cursor_rl.sampler.sampler",
+            "cursor_rl.sampler.sampling",
+            "cursor_rl.bases",
+            "cursor_rl.checkpoints",
+        )
+    },
 }
 
 
