@@ -29,9 +29,9 @@ _EXTRAS = {
     "tpu": ["jax[tpu]>=0.10.2,<0.11"],
     # NVIDIA GPUs (CUDA 12 wheels from PyPI).
     "gpu": ["jax[cuda12]>=0.10.2,<0.11"],
-    # Hugging Face parity tests and conversion. torch is pinned: an unpinned torch
-    # resolves to a multi-GB CUDA build; 2.13.0 is the CPU wheel.
-    "hf": ["torch==2.13.0", "transformers>=5.0,<6"],
+    # Hugging Face parity tests and conversion, Kimi K2's tiktoken tokenizer. torch is
+    # pinned: an unpinned torch resolves to a multi-GB CUDA build; 2.13.0 is the CPU wheel.
+    "hf": ["torch==2.13.0", "transformers>=5.0,<6", "tiktoken>=0.14,<0.15"],
     "seqio": ["seqio==0.0.20"],
     "xm": ["xmanager==0.8.5.post1"],
     # gs:// workdirs: epath writes the run's own files through gcsfs; gcsfs brings
@@ -49,6 +49,7 @@ setuptools.setup(
     # Data files that ship with the code (the built-in SFT demonstrations).
     package_data={
         "cursor_rl.data": ["*.jsonl"],
+        "cursor_rl.outer": ["*.jsonl"],  # the example product-feedback file
         # The shipped base models (cursor_rl/bases/NAME/: safetensors, config, tokenizer).
         "cursor_rl.bases": ["*/*.json", "*/*.safetensors", "*/SHA256SUMS", "*/README.md"],
     },

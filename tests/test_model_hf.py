@@ -55,7 +55,8 @@ HF_BASE = dict(
 # Each flips several options against the first; together they cover q_lora on/off,
 # YaRN off/on (both cos/sin amplitude branches, truncate on/off, legacy and
 # transformers-5 config formats), n_group/topk_group > 1, first_k_dense 0 and 1,
-# norm_topk_prob on/off, rope_interleave on/off and tied embeddings.
+# norm_topk_prob on/off, rope_interleave on/off, tied embeddings and a non-default
+# rms_norm_eps.
 PARITY = {
     "plain": dict(
         q_lora_rank=None,
@@ -102,7 +103,22 @@ PARITY = {
             mscale_all_dim=0.8,
         ),
     ),
+    # rms_norm_eps=1e-5 for the layer and final norms; transformers' latent norms
+    # (q_a_layernorm, kv_a_layernorm) keep eps 1e-6 whatever the config says.
+    "eps_1e5": dict(
+        q_lora_rank=12,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        rope_interleave=True,
+        rms_norm_eps=1e-5,
+    ),
 }
+# Factor on the latent projections' weights (q_a_proj, and kv_a_proj's latent part):
+# latents with a mean square near 1e-5 make the latent norms' eps matter far beyond
+# TOL (with unit latents, eps 1e-5 instead of 1e-6 moves the logits by only ~7e-5).
+LATENT_SCALE = {"eps_1e5": 3e-3}
 
 
 def _inputs(vocab_size: int, seed: int = 0):
@@ -140,7 +156,7 @@ TINY = ModelConfig(
 )
 
 
-def _random_variables(config: ModelConfig, seed: int = 0):
+def _random_variables(config: ModelConfig, seed: int = 0, latent_scale: float = 1.0):
     """Random numpy variables for ``config``, scaled like ``_hf_model``'s weights."""
     rng = np.random.default_rng(seed)
     flat = {}
@@ -152,6 +168,10 @@ def _random_variables(config: ModelConfig, seed: int = 0):
         else:
             std = 1 if key == "params/embed" else config.hidden_size**-0.5
             value = std * rng.standard_normal(shape)
+        if key.endswith("/q_a_proj"):  # see LATENT_SCALE
+            value *= latent_scale
+        elif key.endswith("/kv_a_proj"):
+            value[..., : config.kv_lora_rank] *= latent_scale
         flat[key] = value.astype(dtype)
     return hf_mapping.unflatten_variables(flat)
 
@@ -188,6 +208,11 @@ def _hf_model(name: str):
                 module.e_score_correction_bias.copy_(
                     0.3 * torch.randn_like(module.e_score_correction_bias)
                 )
+            if hasattr(module, "kv_a_proj_with_mqa"):  # the attention: see LATENT_SCALE
+                scale = LATENT_SCALE.get(name, 1.0)
+                if module.q_lora_rank is not None:
+                    module.q_a_proj.weight.mul_(scale)
+                module.kv_a_proj_with_mqa.weight[: config.kv_lora_rank].mul_(scale)
     return hf_model
 
 
@@ -247,6 +272,19 @@ def test_import_parity(name, hf_models, tmp_path):
 
 
 @pytest.mark.hf
+def test_import_keeps_transformers_latent_norm_eps(hf_models, tmp_path):
+    """rms_norm_eps=1e-5 is imported for the layer norms only; the latent norms keep
+    transformers' 1e-6, and using rms_norm_eps there (the old behaviour) would miss."""
+    hf_model, expected = hf_models("eps_1e5")
+    hf_model.save_pretrained(tmp_path)
+    config, variables = hf.load_hf_checkpoint(str(tmp_path))
+    assert (config.rms_norm_eps, config.latent_norm_eps) == (1e-5, 1e-6)
+    assert _max_error(config, variables, expected) <= TOL
+    old_semantics = config.replace(latent_norm_eps=config.rms_norm_eps)
+    assert _max_error(old_semantics, variables, expected) > 100 * TOL
+
+
+@pytest.mark.hf
 def test_import_fused_experts_unscanned(hf_models, tmp_path):
     """transformers' in-memory (fused) layout, loaded into the unscanned layout."""
     import safetensors.torch
@@ -270,6 +308,7 @@ def test_import_fused_experts_unscanned(hf_models, tmp_path):
         ("plain", "per_expert", 2**30),
         ("yarn_groups", "fused", 20_000),
         ("kimi_legacy", "per_expert", 20_000),
+        ("eps_1e5", "per_expert", 2**30),
     ],
 )
 def test_export_parity(name, layout, shard_bytes, tmp_path):
@@ -277,7 +316,7 @@ def test_export_parity(name, layout, shard_bytes, tmp_path):
     from transformers import DeepseekV3ForCausalLM
 
     config = hf.config_from_hf({"model_type": "deepseek_v3", **HF_BASE, **PARITY[name]})
-    variables = _random_variables(config, seed=len(name))
+    variables = _random_variables(config, seed=len(name), latent_scale=LATENT_SCALE.get(name, 1))
     hf.save_hf_checkpoint(
         str(tmp_path), config, variables, expert_layout=layout, max_shard_bytes=shard_bytes
     )
@@ -361,8 +400,25 @@ def test_layouts_convert_through_the_spec():
 
 
 def test_config_round_trip():
-    for config in (TINY, TINY.replace(rope_scaling=None, q_lora_rank=None)):
+    for config in (
+        TINY,
+        TINY.replace(rope_scaling=None, q_lora_rank=None),
+        TINY.replace(rms_norm_eps=1e-5),
+    ):
         assert hf.config_from_hf(hf.config_to_hf(config)) == config
+
+
+def test_latent_norm_eps_is_transformers_fixed_value(tmp_path):
+    """Import sets latent_norm_eps to 1e-6 whatever rms_norm_eps is and refuses it as
+    an override; export refuses another value (config.json cannot carry it)."""
+    hf_config = hf.config_to_hf(TINY.replace(rms_norm_eps=1e-5))
+    assert hf.config_from_hf(hf_config).latent_norm_eps == 1e-6
+    with pytest.raises(hf.HFCheckpointError, match=r"overrides \['latent_norm_eps'\]"):
+        hf.config_from_hf(hf_config, latent_norm_eps=1e-5)
+    config = TINY.replace(latent_norm_eps=1e-5)
+    with pytest.raises(hf.HFCheckpointError, match=r"latent_norm_eps=1e-05 cannot be exported"):
+        hf.save_hf_checkpoint(str(tmp_path), config, _random_variables(config))
+    assert not os.listdir(tmp_path)
 
 
 def test_published_kimi_k2_config():

@@ -29,6 +29,8 @@ import tokenizers
 from etils import epath
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from cursor_rl.chat import tiktoken_tokenizer
+
 # The chat / tool-call protocol's special tokens (see cursor_rl.chat.protocol for the
 # format). Order fixes their ids in a freshly trained tokenizer: <|pad|> is 0.
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -108,14 +110,22 @@ class Tokenizer:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
         """Loads ``path`` (a ``tokenizer.json`` file or a directory holding one; local
-        or ``gs://``)."""
+        or ``gs://``). A directory holding ``tiktoken.model`` and no ``tokenizer.json``
+        (Kimi K2's format), or that file itself, gives a ``TiktokenTokenizer`` with the
+        same methods (``cursor_rl.chat.tiktoken_tokenizer``)."""
         file = epath.Path(os.path.expanduser(os.fspath(path)))
         if file.is_dir():
-            file = file / TOKENIZER_FILE
+            tiktoken_file = file / tiktoken_tokenizer.RANKS_FILE
+            if not (file / TOKENIZER_FILE).exists() and tiktoken_file.exists():
+                file = tiktoken_file
+            else:
+                file = file / TOKENIZER_FILE
+        if file.name == tiktoken_tokenizer.RANKS_FILE:
+            return tiktoken_tokenizer.TiktokenTokenizer.load(file)
         if not file.exists():
             raise FileNotFoundError(f"no tokenizer at {file}")
         try:
-            return cls(tokenizers.Tokenizer.from_str(file.read_text(encoding="utf-8")))
+            return cls.from_json(file.read_text(encoding="utf-8"))
         except Exception as e:  # tokenizers raises bare Exceptions on bad JSON
             raise ValueError(f"unreadable tokenizer file {file}: {e}") from e
 
@@ -147,6 +157,9 @@ class Tokenizer:
 
     @classmethod
     def from_json(cls, text: str) -> Tokenizer:
+        """Inverse of ``to_json`` (a ``TiktokenTokenizer``'s JSON gives one back)."""
+        if tiktoken_tokenizer.is_tiktoken_json(text):
+            return tiktoken_tokenizer.TiktokenTokenizer.from_json(text)
         return cls(tokenizers.Tokenizer.from_str(text))
 
     # ---- use ----------------------------------------------------------------------

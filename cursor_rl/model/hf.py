@@ -17,6 +17,10 @@ weight transfer); this module handles ``config.json`` and the safetensors files.
 * Streaming: the loader fills preallocated host arrays one HF tensor at a time
   (lazy ``safe_open``); the saver builds one shard at a time. Neither holds two
   copies of the model.
+* Latent norms: transformers (like DeepSeek's and Moonshot's own modeling code)
+  builds ``q_a_layernorm``/``kv_a_layernorm`` with eps 1e-6 whatever
+  ``rms_norm_eps`` says; the import sets ``latent_norm_eps`` to that, and the
+  export refuses a model whose latent eps a config.json cannot express.
 * Strict: names, shapes and dtypes of every tensor are checked before any data
   is read; a missing, extra, misshapen or quantized tensor, an unsupported
   option, or an unreadable file raises ``HFCheckpointError`` naming it.
@@ -101,6 +105,9 @@ _FIXED_OPTIONS = {
     "topk_method": "noaux_tc",
     "moe_layer_freq": 1,
 }
+# The eps of the MLA latent norms in transformers' DeepseekV3Attention: the RMSNorm
+# default, not config.rms_norm_eps (no config.json field changes it).
+HF_LATENT_NORM_EPS = 1e-6
 _ROPE_KEYS = {
     "rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
     "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate",
@@ -110,7 +117,14 @@ _ROPE_KEYS = {
 # ModelConfig fields that come from config.json (the rest, e.g. dtypes or the
 # layer layout, may be chosen by the caller).
 HF_DERIVED_FIELDS = frozenset(
-    {*_REQUIRED_FIELDS.values(), *_OPTIONAL_FIELDS, "q_lora_rank", "rope_theta", "rope_scaling"}
+    {
+        *_REQUIRED_FIELDS.values(),
+        *_OPTIONAL_FIELDS,
+        "q_lora_rank",
+        "rope_theta",
+        "rope_scaling",
+        "latent_norm_eps",
+    }
 )
 
 
@@ -168,6 +182,7 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides: Any) -> ModelConfi
     values["q_lora_rank"] = hf["q_lora_rank"]
     for name, default in _OPTIONAL_FIELDS.items():
         values[name] = default if hf.get(name) is None else hf[name]
+    values["latent_norm_eps"] = HF_LATENT_NORM_EPS
     values["rope_theta"], values["rope_scaling"] = _rope_from_hf(hf, values)
     try:
         return ModelConfig.from_dict({**values, **overrides})
@@ -223,8 +238,16 @@ def config_to_hf(config: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     Args:
       config: the model config.
       dtype: the dtype recorded for the checkpoint's weights.
+
+    Raises:
+      HFCheckpointError: ``latent_norm_eps`` is not transformers' fixed 1e-6.
     """
     c = config
+    if c.latent_norm_eps != HF_LATENT_NORM_EPS:
+        raise HFCheckpointError(
+            f"model.latent_norm_eps={c.latent_norm_eps} cannot be exported: transformers' "
+            f"DeepSeek-V3 always builds the latent norms with eps {HF_LATENT_NORM_EPS}"
+        )
     rope: dict[str, Any] = {"rope_theta": c.rope_theta, "rope_type": "default"}
     if c.rope_scaling is not None:
         rope = {**rope, "rope_type": "yarn", **dataclasses.asdict(c.rope_scaling)}
