@@ -79,6 +79,7 @@ def get_config(arg=None):
     c.train.loss_chunk_size = 512  # a 163840-wide vocabulary: project in chunks
     c.train.num_steps = 100_000
     c.optimizer.name = "muon"
+    c.optimizer.qk_clip_tau = 100.0  # MuonClip, as Kimi K2 trains (tau = 100)
     c.optimizer.schedule = "wsd"
     c.optimizer.learning_rate = 2e-4
     c.optimizer.warmup_steps = 500

@@ -10,7 +10,9 @@ Mesh axes, outermost (slowest links) first:
 
 * ``data``    pure data parallelism; the only axis that may span slices (DCN).
 * ``fsdp``    data parallelism with parameters and optimizer state sharded (ZeRO-3).
-* ``context`` sequence sharding for long contexts (reserved: no rule uses it by default).
+* ``context`` sequence sharding for long contexts: the ``long_context`` preset maps
+              ``act_length`` onto it (no default rule does); attention then runs as a
+              load-balanced ring over it (``cursor_rl.model.context_parallel``).
 * ``expert``  expert parallelism: routed experts are split over it; outside the MoE
               layers it acts as extra data parallelism.
 * ``tensor``  Megatron-style tensor parallelism (heads, MLP hidden, vocab).

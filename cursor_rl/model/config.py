@@ -12,6 +12,7 @@ import jax.numpy as jnp
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 MOE_IMPLS = ("auto", "ragged", "blocked", "padded", "dense")
 ATTENTION_IMPLS = ("dot", "chunked")
+CONTEXT_PARALLEL = ("ring", "none")
 REMAT_POLICIES = (
     "none",
     "full",
@@ -82,6 +83,15 @@ class ModelConfig:
     # query chunks of attention_chunk_size, recomputed in backward (long rows).
     attention_impl: str = "dot"
     attention_chunk_size: int = 512
+    # When the mesh rules split the sequence over devices (act_length over the context
+    # axis, the long_context preset): "ring" = ring attention over a causally
+    # load-balanced layout (context_parallel.py); "none" = leave the split sequence to
+    # XLA's partitioner, which gathers keys and values. No effect on an unsplit sequence.
+    context_parallel: str = "ring"
+    # Forward aux output "attn_max_logit" [L, H]: each head's largest pre-softmax
+    # logit in the batch (QK-clip reads it; the train step turns it on for
+    # optimizer.qk_clip_tau > 0). Off: not computed.
+    report_attn_max_logit: bool = False
     # Positions.
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -89,6 +99,10 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     # Misc.
     rms_norm_eps: float = 1e-6
+    # The MLA latent norms (q_a_norm, kv_a_norm) use their own eps: DeepSeek-V3's and
+    # Kimi-K2's reference code builds them with the RMSNorm default 1e-6 whatever
+    # rms_norm_eps says (HF transformers too), so an imported model keeps 1e-6 here.
+    latent_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     # Numerics and memory.
@@ -189,10 +203,16 @@ class ModelConfig:
         need(self.moe_capacity_factor >= 0, "moe_capacity_factor", "must be >= 0")
         need(self.attention_impl in ATTENTION_IMPLS, "attention_impl", f"one of {ATTENTION_IMPLS}")
         need(self.attention_chunk_size > 0, "attention_chunk_size", "must be > 0")
+        need(
+            self.context_parallel in CONTEXT_PARALLEL,
+            "context_parallel",
+            f"one of {CONTEXT_PARALLEL}",
+        )
         need(self.remat_policy in REMAT_POLICIES, "remat_policy", f"one of {REMAT_POLICIES}")
         need(self.dtype in _DTYPES, "dtype", f"one of {sorted(_DTYPES)}")
         need(self.param_dtype in _DTYPES, "param_dtype", f"one of {sorted(_DTYPES)}")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
+        need(self.latent_norm_eps > 0, "latent_norm_eps", "must be > 0")
         need(self.rope_theta > 0, "rope_theta", "must be > 0")
         rs = self.rope_scaling
         if rs is not None:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cursor_rl import partitioning
+from cursor_rl.model import context_parallel
 from cursor_rl.model.config import ModelConfig, yarn_mscale
 from cursor_rl.model.kv_cache import CachedStep, PagedCache, paged_attention
 
@@ -170,14 +171,14 @@ class MLA(nn.Module):
             self.q_proj = kernel(self, "q_proj", (d, h, c.qk_head_dim), ("embed", "heads", "kv"), c)
         else:
             self.q_a_proj = kernel(self, "q_a_proj", (d, c.q_lora_rank), ("embed", "q_lora"), c)
-            self.q_a_norm = RMSNorm(c.rms_norm_eps, c.jnp_param_dtype)
+            self.q_a_norm = RMSNorm(c.latent_norm_eps, c.jnp_param_dtype)
             self.q_b_proj = kernel(
                 self, "q_b_proj", (c.q_lora_rank, h, c.qk_head_dim), ("q_lora", "heads", "kv"), c
             )
         self.kv_a_proj = kernel(
             self, "kv_a_proj", (d, c.kv_lora_rank + c.qk_rope_head_dim), ("embed", "kv_lora"), c
         )
-        self.kv_a_norm = RMSNorm(c.rms_norm_eps, c.jnp_param_dtype)
+        self.kv_a_norm = RMSNorm(c.latent_norm_eps, c.jnp_param_dtype)
         self.kv_b_proj = kernel(
             self,
             "kv_b_proj",
@@ -207,7 +208,13 @@ class MLA(nn.Module):
         k_rope = apply_rope(kv[..., None, c.kv_lora_rank :], rope, c.rope_interleave)[:, :, 0]
         return kv_latent, k_rope
 
-    def __call__(self, x: Array, rope: Rope, segment_ids: Array | None) -> Array:
+    def __call__(
+        self, x: Array, rope: Rope, segment_ids: Array | None
+    ) -> Array | tuple[Array, Array]:
+        """Output [B, T, D]; with ``report_attn_max_logit`` also each head's largest
+        pre-softmax logit [H] (no gradient). When the sequence is split over devices
+        (``context_parallel="ring"``) x is in the load-balanced layout the Transformer
+        gives it, and attention runs as a ring (``context_parallel.ring_attention``)."""
         c = self.config
         t = x.shape[1]
         q_nope, q_rope = self.queries(x, rope)
@@ -216,12 +223,23 @@ class MLA(nn.Module):
         kv = constrain(kv, BTHK)
         k_nope, v = kv[..., : c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim :]
         chunk = c.attention_chunk_size
-        if c.attention_impl == "chunked" and t > chunk and t % chunk == 0:
+        ring_axes = context_parallel.sequence_axes(c.context_parallel)
+        if ring_axes:
+            out = context_parallel.ring_attention(
+                q_nope, q_rope, k_nope, k_rope, v, segment_ids,
+                scale=c.softmax_scale, axes=ring_axes,
+                chunk=chunk if c.attention_impl == "chunked" else 0,
+                with_max_logit=c.report_attn_max_logit,
+            )  # fmt: skip
+        elif c.attention_impl == "chunked" and t > chunk and t % chunk == 0:
             out = _chunked_attention(c, q_nope, q_rope, k_nope, k_rope, v, segment_ids, chunk)
         else:
             out = _attention(c, q_nope, q_rope, k_nope, k_rope, v, segment_ids, jnp.arange(t))
-        out = constrain(out, BTHK)
-        return linear(out, self.o_proj, n_in=2)
+        if not c.report_attn_max_logit:
+            return linear(constrain(out, BTHK), self.o_proj, n_in=2)
+        out, max_logit = out  # [B, H]
+        y = linear(constrain(out, BTHK), self.o_proj, n_in=2)
+        return y, jax.lax.stop_gradient(max_logit.max(axis=0))
 
     def attend_cache(
         self, x: Array, rope: Rope, pools: PagedCache, layer: Array, step: CachedStep
@@ -266,7 +284,9 @@ def _attend(c: ModelConfig, q_nope, q_rope, kh, vh, segment_ids, q_index):
     """Causal attention of queries at ``q_index`` [Tq] to every key [Tk], masked by segment.
 
     Head-major inside ([B, H, T, D]): every product has its batch axes first, so
-    XLA:CPU runs it, and its gradients, without transposing the scores.
+    XLA:CPU runs it, and its gradients, without transposing the scores. With
+    ``report_attn_max_logit`` returns (out, each row's and head's largest visible
+    logit [B, H]); every query sees at least itself.
     """
     q = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
     qh = jnp.swapaxes(q, 1, 2)
@@ -279,7 +299,10 @@ def _attend(c: ModelConfig, q_nope, q_rope, kh, vh, segment_ids, q_index):
         mask = mask & (q_seg[:, None, :, None] == segment_ids[:, None, None, :])
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(c.jnp_dtype)
-    return jnp.swapaxes(jnp.einsum("bhqk,bhkv->bhqv", probs, vh), 1, 2)
+    out = jnp.swapaxes(jnp.einsum("bhqk,bhkv->bhqv", probs, vh), 1, 2)
+    if c.report_attn_max_logit:
+        return out, scores.max(axis=(2, 3))
+    return out
 
 
 def _attention(c: ModelConfig, q_nope, q_rope, k_nope, k_rope, v, segment_ids, q_index):
@@ -310,6 +333,9 @@ def _chunked_attention(c: ModelConfig, q_nope, q_rope, k_nope, k_rope, v, segmen
 
     indices = jnp.arange(t).reshape(n, chunk)
     out = jax.lax.map(one, (split(q_nope), split(q_rope), indices))  # [n, B, chunk, H, Dv]
+    if c.report_attn_max_logit:
+        out, max_logit = out
+        return jnp.moveaxis(out, 0, 1).reshape(b, t, h, -1), max_logit.max(axis=0)
     return jnp.moveaxis(out, 0, 1).reshape(b, t, h, -1)
 
 

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from cursor_rl import partitioning
+from cursor_rl.model import context_parallel
 from cursor_rl.model.config import ModelConfig
 from cursor_rl.model.kv_cache import CachedStep, PagedCache
 from cursor_rl.model.layers import BTE, MLA, MLP, RMSNorm, Rope, constrain, linear, rope_tables
@@ -63,8 +64,12 @@ class DecoderLayer(nn.Module):
         c = self.config
         h = RMSNorm(c.rms_norm_eps, c.jnp_param_dtype, name="input_norm")(x)
         attn = MLA(c, name="attn")
+        max_logit = None
         if cache is None:
-            x = x + attn(h, rope, segment_ids)
+            attended = attn(h, rope, segment_ids)
+            if c.report_attn_max_logit:
+                attended, max_logit = attended
+            x = x + attended
         else:
             pools, layer, step = cache
             attended, pools = attn.attend_cache(h, rope, pools, layer, step)
@@ -83,6 +88,8 @@ class DecoderLayer(nn.Module):
         x = constrain(x + y, BTE)
         if cache is not None:
             return x, pools
+        if max_logit is not None:
+            aux = {**aux, "attn_max_logit": max_logit}
         return x, aux
 
 
@@ -184,6 +191,14 @@ class Transformer(nn.Module):
             positions, segment_ids = step.positions, None
         elif positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        # A sequence split over devices is laid out causally load-balanced for ring
+        # attention (context_parallel.py), here once for every layer; every other op
+        # is per token. The final hidden states are put back in order.
+        ring_axes = () if cache is not None else context_parallel.sequence_axes(c.context_parallel)
+        if ring_axes:
+            tokens, positions = (context_parallel.to_load_balanced(a) for a in (tokens, positions))
+            if segment_ids is not None:
+                segment_ids = context_parallel.to_load_balanced(segment_ids)
         # Segment id 0 marks padding: it attends only to itself and counts in no statistic.
         valid = jnp.ones((b, t), jnp.bool_) if segment_ids is None else segment_ids != 0
         embedding = self.param(
@@ -198,10 +213,14 @@ class Transformer(nn.Module):
         x = constrain(x, BTE)
         rope = rope_tables(c, positions)
         if cache is None:
-            x, _ = self._stack("dense_layers", False, c.first_k_dense, x, rope, segment_ids, valid)
+            x, dense_aux = self._stack(
+                "dense_layers", False, c.first_k_dense, x, rope, segment_ids, valid
+            )
             x, moe_aux = self._stack(
                 "moe_layers", True, c.num_moe_layers, x, rope, segment_ids, valid
             )
+            if ring_axes:
+                x = context_parallel.from_load_balanced(x)
         else:
             pools = dict(pools)
             for name, moe in (("dense_layers", False), ("moe_layers", True)):
@@ -235,6 +254,9 @@ class Transformer(nn.Module):
                 "balance_loss": moe_aux["balance_loss"].sum() * c.aux_loss_coef,
                 "dropped": moe_aux["dropped"],  # [L_moe] assignments dropped for capacity
             }
+        if c.report_attn_max_logit:  # [L, H], dense layers first
+            stacks = [a["attn_max_logit"] for a in (dense_aux, moe_aux) if a is not None]
+            aux["attn_max_logit"] = jnp.concatenate(stacks, axis=0)
         if return_hidden:
             return x, head.astype(c.jnp_dtype), aux
         return project_logits(x, head.astype(c.jnp_dtype)), aux
@@ -318,7 +340,9 @@ def forward_with_aux(
 
     Aux: ``expert_load`` [L_moe, E] (assignments per expert, padding excluded),
     ``balance_loss`` (the sequence-wise balance loss times ``aux_loss_coef``) and
-    ``dropped`` [L_moe] (assignments dropped for expert capacity; 0 when dropless).
+    ``dropped`` [L_moe] (assignments dropped for expert capacity; 0 when dropless);
+    with ``report_attn_max_logit``, ``attn_max_logit`` [L, H] (each layer's and head's
+    largest pre-softmax attention logit, dense layers first).
     """
     return Transformer(config).apply(variables, tokens, positions, segment_ids)
 

@@ -14,13 +14,29 @@ Choices:
 4. Global-norm clipping before the update; schedules: linear warmup then cosine,
    warmup-stable-decay (WSD: constant, then linear decay over the last
    ``decay_fraction`` of steps), or constant.
+5. MuonClip's QK-clip (Kimi K2 report, arXiv:2507.20534 sec. 2.1), on with
+   ``optimizer.qk_clip_tau`` = tau > 0: after each update, every attention head whose
+   largest pre-softmax logit in that step's forward pass exceeded tau gets its query
+   and key weights rescaled by gamma = tau / max_logit, so the same inputs would give
+   at most tau. With MLA the factor is split as the report does: the per-head nope
+   parts of the query (``q_b_proj`` / ``q_proj``) and key (``kv_b_proj``'s key half)
+   by sqrt(gamma), the query's rope part by gamma, the rope key shared by all heads
+   untouched; values and other heads are not changed. The bound holds for the inputs
+   each layer had in that step: clipping one layer changes the inputs of the layers
+   after it, which the next step's logits see. It acts on the weights, not the
+   update, so it works with AdamW too; the optimizer state is kept. The train step
+   reads tau from the transformation (``qk_clip_tau``) and asks the model for the
+   per-head max logits only then: off, the step is the one without it.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
+
+from cursor_rl.model.config import ModelConfig
 
 # Leaf name -> number of trailing axes that are contracted with the input; the
 # remaining trailing axes of the matrix are outputs. Leading axes (layers,
@@ -134,8 +150,97 @@ def _experts_first(inner: optax.GradientTransformation) -> optax.GradientTransfo
     return optax.GradientTransformation(init, update)
 
 
+class _QKClipped(optax.GradientTransformationExtraArgs):
+    """optax's (init, update) pair carrying the QK-clip threshold ``qk_clip_tau`` that
+    the train step reads (a NamedTuple subclass without ``__slots__``, so an instance
+    takes the attribute; optax and JAX see the plain pair)."""
+
+
+def qk_clip_tau(tx: optax.GradientTransformation) -> float:
+    """The QK-clip threshold ``make_optimizer`` gave ``tx`` (0: no QK-clip)."""
+    return float(getattr(tx, "qk_clip_tau", 0.0))
+
+
+def qk_clip(
+    config: ModelConfig, params, max_logit: jax.Array, tau: float
+) -> tuple[dict, jax.Array]:
+    """Rescales the query/key weights of the heads whose max logit exceeded ``tau``.
+
+    Args:
+      config: the model config (head dims, layer counts, the query projection's name).
+      params: the model parameters after the update (scanned or unscanned layout).
+      max_logit: float32 [L, H], each layer's (dense layers first) and head's largest
+        pre-softmax logit in the step's forward pass (``attn_max_logit``).
+      tau: the threshold.
+
+    Returns:
+      The parameters, and how many heads were clipped. Weights of other heads are
+      multiplied by exactly 1, so they keep their bits.
+    """
+    layers = config.first_k_dense + config.num_moe_layers
+    if max_logit.shape != (layers, config.num_heads):
+        raise ValueError(
+            f"qk_clip: max_logit {max_logit.shape} is not [layers, heads] = "
+            f"{(layers, config.num_heads)}"
+        )
+    max_logit = max_logit.astype(jnp.float32)
+    over = max_logit > tau
+    gamma = jnp.where(over, tau / jnp.where(over, max_logit, 1.0), 1.0)  # [L, H]
+    root = jnp.sqrt(gamma)
+    dn, r, dv = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+
+    def columns(parts):  # [(factor [..., H], width)] -> [..., H, sum(widths)]
+        return jnp.concatenate(
+            [jnp.broadcast_to(f[..., None], (*f.shape, w)) for f, w in parts], axis=-1
+        )
+
+    q_name = "q_proj" if config.q_lora_rank is None else "q_b_proj"
+
+    def clip_attn(attn, g, rg):  # g, rg: [..., H] for the weights' leading axes
+        q_scale = columns([(rg, dn), (g, r)])  # nope by sqrt(gamma), rope by gamma
+        k_scale = columns([(rg, dn), (jnp.ones_like(g), dv)])  # the value half kept
+        q, kv = attn[q_name], attn["kv_b_proj"]
+        # [..., in, H, D] weights: the factors broadcast over the contraction axis.
+        q = q * jnp.expand_dims(q_scale, -3).astype(q.dtype)
+        kv = kv * jnp.expand_dims(k_scale, -3).astype(kv.dtype)
+        return {**attn, q_name: q, "kv_b_proj": kv}
+
+    out = dict(params)
+    start = 0
+    for stack, count in (
+        ("dense_layers", config.first_k_dense),
+        ("moe_layers", config.num_moe_layers),
+    ):
+        g, rg = gamma[start : start + count], root[start : start + count]
+        if stack in params:  # scanned: [count, in, H, D]
+            layer = params[stack]["layer"]
+            out[stack] = {
+                **params[stack],
+                "layer": {**layer, "attn": clip_attn(layer["attn"], g, rg)},
+            }
+        else:
+            for i in range(count):
+                name = f"{stack}_{i}"
+                out[name] = {**params[name], "attn": clip_attn(params[name]["attn"], g[i], rg[i])}
+        start += count
+    return out, over.sum()
+
+
 def make_optimizer(opt, num_steps: int) -> optax.GradientTransformation:
-    """The full chain: clip, then AdamW or Muon+AdamW, with the schedule."""
+    """The full chain: clip, then AdamW or Muon+AdamW, with the schedule; marked with
+    ``optimizer.qk_clip_tau`` when QK-clip is on (``qk_clip_tau``)."""
+    tau = float(opt.get("qk_clip_tau", 0.0))
+    if not tau >= 0:
+        raise ValueError(f"optimizer.qk_clip_tau={tau}: must be >= 0 (0 = off; Kimi K2: 100)")
+    tx = _make_chain(opt, num_steps)
+    if tau == 0:
+        return tx
+    marked = _QKClipped(tx.init, tx.update)
+    marked.qk_clip_tau = tau
+    return marked
+
+
+def _make_chain(opt, num_steps: int) -> optax.GradientTransformation:
     schedule = make_schedule(opt, num_steps)
     if opt.name == "adamw":
         core = optax.adamw(

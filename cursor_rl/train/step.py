@@ -12,10 +12,15 @@ Choices:
    step counter still advances so the data stream and schedule move on.
 4. After the optimizer update the router correction bias follows the step's expert
    load (aux-loss-free balancing); it is not touched by the optimizer.
+5. With QK-clip on (``optimizer.qk_clip_tau`` > 0, ``optimizer.qk_clip``) the forward
+   pass also reports each layer's and head's largest attention logit (the maximum over
+   micro-batches), and the updated query/key weights of heads above the threshold are
+   rescaled; off, the model computes no such statistic and the step is unchanged.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import flax
@@ -25,6 +30,9 @@ import optax
 
 from cursor_rl import model, partitioning
 from cursor_rl.model.config import ModelConfig
+from cursor_rl.train import optimizer as optim
+
+log = logging.getLogger(__name__)
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
@@ -188,12 +196,14 @@ def token_losses(
     return ce_sum, z_sum, aux
 
 
-def accumulate_gradients(loss_fn, params, batch: Batch, microbatches: int):
+def accumulate_gradients(loss_fn, params, batch: Batch, microbatches: int, max_aux: bool = False):
     """Sums ``value_and_grad(loss_fn, has_aux=True)`` over micro-batches of ``batch``.
 
     ``loss_fn(params, micro) -> (loss, aux)`` must return sums (or terms already
     divided by whole-batch totals), so the sum over micro-batches is exact. The
-    aux pytree is summed too. One compiled body runs under ``lax.scan``.
+    aux pytree is summed too; with ``max_aux`` the aux is a pair whose second part
+    is combined by maximum instead (the attention max logits of QK-clip). One
+    compiled body runs under ``lax.scan``.
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if microbatches == 1:
@@ -205,9 +215,19 @@ def accumulate_gradients(loss_fn, params, batch: Batch, microbatches: int):
     first = jax.tree.map(lambda x: x[0], micro_batches)
     shapes = jax.eval_shape(grad_fn, params, first)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    if max_aux:
+        (loss0, (sums0, maxed)), grads0 = zeros
+        lowest = jax.tree.map(lambda x: jnp.full(x.shape, -jnp.inf, x.dtype), maxed)
+        zeros = ((loss0, (sums0, lowest)), grads0)
 
     def body(carry, micro):
-        return jax.tree.map(jnp.add, carry, grad_fn(params, micro)), None
+        new = grad_fn(params, micro)
+        if not max_aux:
+            return jax.tree.map(jnp.add, carry, new), None
+        ((loss_a, (sums_a, max_a)), grads_a), ((loss_b, (sums_b, max_b)), grads_b) = carry, new
+        sums = jax.tree.map(jnp.add, sums_a, sums_b)
+        maxed = jax.tree.map(jnp.maximum, max_a, max_b)
+        return ((loss_a + loss_b, (sums, maxed)), jax.tree.map(jnp.add, grads_a, grads_b)), None
 
     ((loss, aux), grads), _ = jax.lax.scan(body, zeros, micro_batches)
     return loss, aux, grads
@@ -222,16 +242,32 @@ def apply_update(
     config: ModelConfig,
     tx: optax.GradientTransformation,
     moe_dropped: jax.Array | None = None,
+    attn_max_logit: jax.Array | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """Optimizer update + router-bias update, skipped entirely if loss or grads are not finite.
 
     ``moe_dropped`` [L_moe] (assignments dropped for expert capacity) is reported as
-    a fraction of all assignments.
+    a fraction of all assignments. ``attn_max_logit`` [L, H] (the forward pass's
+    ``attn_max_logit``) is reported, and with QK-clip on (``optim.qk_clip_tau(tx)``)
+    bounds the updated query/key weights (``optim.qk_clip``).
     """
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
+    clip_metrics = {}
+    tau = optim.qk_clip_tau(tx)
+    if tau > 0 and attn_max_logit is None:
+        log.warning(
+            "optimizer.qk_clip_tau=%s but this step passes no attention max logits: "
+            "no QK-clip in it",
+            tau,
+        )
+    elif tau > 0:
+        new_params, clipped = optim.qk_clip(config, new_params, attn_max_logit, tau)
+        clip_metrics["qk_clipped_heads"] = clipped
+    if attn_max_logit is not None:
+        clip_metrics["attn_max_logit"] = attn_max_logit.max()
     new_router = model.update_router(config, state.router, expert_load)
 
     def keep_if_finite(new, old):
@@ -250,6 +286,7 @@ def apply_update(
         "update_skipped": jnp.logical_not(finite).astype(jnp.int32),
     }
     metrics.update(load_metrics(expert_load))
+    metrics.update(clip_metrics)
     if moe_dropped is not None and expert_load.size:
         metrics["moe_dropped_fraction"] = moe_dropped.sum() / jnp.maximum(expert_load.sum(), 1.0)
     return new_state, metrics
@@ -268,19 +305,28 @@ def train_step(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on a global batch [B, T] split into ``microbatches``."""
     num_tokens = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
+    # The attention max logits, for QK-clip (or when the model config asks for them).
+    with_logits = optim.qk_clip_tau(tx) > 0 or config.report_attn_max_logit
+    forward_config = config.replace(report_attn_max_logit=True) if with_logits else config
 
     def loss_fn(params, micro):
-        ce_sum, z_sum, aux = token_losses(config, params, state.router, micro, z_loss, loss_chunk)
+        ce_sum, z_sum, aux = token_losses(
+            forward_config, params, state.router, micro, z_loss, loss_chunk
+        )
         loss = (ce_sum + z_sum) / num_tokens + aux["balance_loss"] / microbatches
         moe = (aux["expert_load"], aux["dropped"])
-        return loss, (ce_sum, z_sum, moe, aux["balance_loss"] / microbatches)
+        sums = (ce_sum, z_sum, moe, aux["balance_loss"] / microbatches)
+        return loss, ((sums, aux["attn_max_logit"]) if with_logits else sums)
 
-    loss, (ce_sum, z_sum, (load, dropped), balance), grads = accumulate_gradients(
-        loss_fn, state.params, batch, microbatches
+    loss, aux, grads = accumulate_gradients(
+        loss_fn, state.params, batch, microbatches, max_aux=with_logits
     )
+    sums, max_logit = aux if with_logits else (aux, None)
+    ce_sum, z_sum, (load, dropped), balance = sums
     new_state, metrics = apply_update(
-        state, grads, loss, load, config=config, tx=tx, moe_dropped=dropped
-    )
+        state, grads, loss, load, config=config, tx=tx, moe_dropped=dropped,
+        attn_max_logit=max_logit,
+    )  # fmt: skip
     metrics.update(
         {
             "loss": loss,
