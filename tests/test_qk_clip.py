@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cursor_rl import config_lib, model, partitioning
+from cursor_rl.rl import grpo
 from cursor_rl.train import optimizer, step
 from tests.train_helpers import MICRO_MODEL
 
@@ -190,6 +191,40 @@ def test_off_is_the_plain_step_and_a_clip_with_nothing_over_tau_changes_no_bit()
     for a, b in zip(jax.tree.leaves(on), jax.tree.leaves(off)):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(on_metrics["loss"], off_metrics["loss"])
+
+
+@pytest.mark.slow
+def test_the_grpo_step_clips_too(boosted):
+    """The RL trainer's update (``grpo_step``, two micro-batches) reports the forward
+    pass's max logit and clips the same heads as the train step: their recomputed max
+    logit is tau within 1%, the other heads' logits keep their values."""
+    variables, before = boosted
+    tx, schedule = _tx(TAU)
+    batch = _batch()
+    fn = jax.jit(
+        functools.partial(
+            grpo.grpo_step, config=CONFIG, grpo=grpo.GRPOConfig(), tx=tx, schedule=schedule,
+            microbatches=2,
+        )
+    )  # fmt: skip
+    old = grpo.logprobs_step(variables, batch, config=CONFIG)
+    weight = batch["loss_mask"].astype(jnp.float32) / batch["loss_mask"].sum()
+    rl_batch = {
+        **batch,
+        "advantages": jnp.ones((B, T), jnp.float32),
+        "token_weight": weight,
+        "old_logprobs": old,
+        "sampler_logprobs": old,
+        "ref_logprobs": jnp.zeros((B, T), jnp.float32),
+    }
+    state, metrics = fn(step.init_state(variables, tx), rl_batch)
+    assert int(metrics["qk_clipped_heads"]) == len(BOOSTED)
+    np.testing.assert_allclose(metrics["attn_max_logit"], before.max(), rtol=1e-5)
+    after = np.asarray(_max_logits(state.params, state.router, batch))
+    for layer, head in BOOSTED:
+        assert TAU * 0.99 <= after[layer, head] <= TAU * 1.01, after
+    keep = before <= TAU
+    np.testing.assert_allclose(after[keep], before[keep], rtol=1e-3)
 
 
 def test_micro_batches_take_the_max_of_the_max_logits():

@@ -57,6 +57,7 @@ import numpy as np
 import optax
 
 from cursor_rl.model.config import ModelConfig
+from cursor_rl.train import optimizer as optim
 from cursor_rl.train import step as step_lib
 
 RL_BATCH_KEYS = (
@@ -279,23 +280,30 @@ def grpo_step(
             "feedback_signal": signal.sum() / jnp.maximum(tokens, 1.0),
         }
 
+    # The attention max logits, for QK-clip (as train_step; optimizer.qk_clip_tau).
+    with_logits = optim.qk_clip_tau(tx) > 0 or config.report_attn_max_logit
+    forward_config = config.replace(report_attn_max_logit=True) if with_logits else config
+
     def loss_fn(params, micro):
         stats, aux = step_lib.token_stats(
-            config, params, state.router, micro, loss_chunk, with_entropy=True,
+            forward_config, params, state.router, micro, loss_chunk, with_entropy=True,
             temperature=temperature,
         )  # fmt: skip
         loss, diagnostics = policy_loss(stats["logp"], micro, grpo)
         diagnostics["entropy"] = (
             jax.lax.stop_gradient(stats["entropy"]) * micro["token_weight"]
         ).sum()
-        return loss, (diagnostics, (aux["expert_load"], aux["dropped"]))
+        sums = (diagnostics, (aux["expert_load"], aux["dropped"]))
+        return loss, ((sums, aux["attn_max_logit"]) if with_logits else sums)
 
-    loss, (diagnostics, (load, dropped)), grads = step_lib.accumulate_gradients(
-        loss_fn, state.params, dict(batch), microbatches
+    loss, aux, grads = step_lib.accumulate_gradients(
+        loss_fn, state.params, dict(batch), microbatches, max_aux=with_logits
     )
+    (diagnostics, (load, dropped)), max_logit = aux if with_logits else (aux, None)
     new_state, metrics = step_lib.apply_update(
-        state, grads, loss, load, config=config, tx=tx, moe_dropped=dropped
-    )
+        state, grads, loss, load, config=config, tx=tx, moe_dropped=dropped,
+        attn_max_logit=max_logit,
+    )  # fmt: skip
     metrics.update(diagnostics)
     metrics["ratio_std"] = jnp.sqrt(
         jnp.maximum(diagnostics["ratio_sq_mean"] - jnp.square(diagnostics["ratio_mean"]), 0.0)
