@@ -12,7 +12,7 @@ Layout (every path below comes from a ``Workdir`` method; nothing else joins the
       sft_data/demos.jsonl
       tasks/train/  tasks/bench/
       rl/policy/<version>/  rl/checkpoints/<step>/  rl/rollouts/<index>.json  rl/DONE
-      eval/<bench>/results.jsonl  eval/registry.json
+      eval/<bench>/results.jsonl  eval/registry.records/<record>.json
       ops/heartbeats/<role>.json  ops/events.jsonl  ops/quarantine/
       report.md  *.png
 

@@ -3,7 +3,7 @@
     summary = evaluate(runner, bench_tasks, samples=8, seed=0, bench_name="tiny_bench",
                        out_dir=Workdir(workdir).eval_dir, stage="rl", step=step)
     writer.write("rl", step, eval_row(summary))         # -> WORKDIR/metrics.jsonl
-    registry.record(summary)                             # -> WORKDIR/eval/registry.json
+    registry.record(summary)           # -> WORKDIR/eval/registry.records/ (or rl.eval.registry)
 
 Choices:
 

@@ -75,7 +75,6 @@ REFERENCE_DIR = "reference_train"
 OUTER_SEED_BASE = 100_000
 OUTER_SEED_SPAN = 800_000
 REGISTRY_STAGE = "outer"
-TINY_THRESHOLD = 0.99  # as cursor_rl.tasks.workdir builds the tiny bench
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +107,7 @@ class FactoryConfig:
 
     @property
     def threshold(self) -> float:
-        return TINY_THRESHOLD if self.source == "tiny" else contamination.DEFAULT_THRESHOLD
+        return contamination.threshold_for(self.source)
 
 
 @dataclasses.dataclass

@@ -20,7 +20,7 @@ import os
 import shutil
 from collections.abc import Callable
 
-from cursor_rl.tasks import build, records
+from cursor_rl.tasks import build, contamination, records
 from cursor_rl.workdir import Workdir, is_remote
 
 
@@ -96,10 +96,8 @@ def ensure_datasets(
                 generators=tuple(generators),
                 max_per_generator=max_per_generator,
                 max_per_repo=4,
-                # Tiny splits share templates: only a solution that occurs whole in the
-                # training tasks counts as contamination (see cursor_rl.tasks.build).
                 decontaminate_against=train_dir if split == "bench" else "",
-                decontaminate_threshold=0.99 if family == "tiny" else 0.5,
+                decontaminate_threshold=contamination.threshold_for(family),
                 workers=2,
             ),
             log=lambda line: None,
