@@ -14,7 +14,8 @@ preallocated host arrays from such a stream, so
     variables_from_hf_tensors(sampler_config, iter_hf_tensors(trainer_config, variables))
 
 moves weights between the scanned and unscanned layouts or param dtypes without a
-second full copy.
+second full copy. ``hf_stream`` reads the same regions the other way round: for a
+shard of a model array, the box of each HF tensor that lands in it.
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ class TensorMapping:
       concat_axis: the HF axis the regions are concatenated on.
       keep_fp32: stays float32 whatever the export dtype (routing decisions; HF
         keeps the router in float32 too).
+      quantizable: a linear projection weight of a decoder layer, which a block-fp8
+        checkpoint (DeepSeek-V3 / Kimi-K2 release) may store as float8 with per-block
+        ``weight_scale_inv``; embeddings, norms, the router and ``lm_head`` never.
     """
 
     name: str
@@ -98,6 +102,7 @@ class TensorMapping:
     regions: tuple[Region, ...]
     concat_axis: int = 0
     keep_fp32: bool = False
+    quantizable: bool = False
 
     def gather(self, variables: Mapping[str, Any]) -> np.ndarray:
         """The HF tensor, built from ``variables`` (numpy or jax arrays)."""
@@ -136,8 +141,12 @@ def _experts(path, index, shape) -> Region:
     return Region("params", path, index, shape, shape, (0, 2, 1))
 
 
-def _one(name: str, region: Region, keep_fp32: bool = False) -> TensorMapping:
-    return TensorMapping(name, region.hf_shape, (region,), keep_fp32=keep_fp32)
+def _one(
+    name: str, region: Region, keep_fp32: bool = False, quantizable: bool = False
+) -> TensorMapping:
+    return TensorMapping(
+        name, region.hf_shape, (region,), keep_fp32=keep_fp32, quantizable=quantizable
+    )
 
 
 def weight_spec(
@@ -180,7 +189,7 @@ def _layer_spec(c: ModelConfig, i: int, expert_layout: str) -> list[TensorMappin
         return _one(hf + name, _same((*prefix, *path, "scale"), index, (size,)))
 
     def linear(name: str, path: tuple[str, ...], shape, in_dims: int = 1) -> TensorMapping:
-        return _one(hf + name, _linear((*prefix, *path), index, shape, in_dims))
+        return _one(hf + name, _linear((*prefix, *path), index, shape, in_dims), quantizable=True)
 
     spec = [
         norm("input_layernorm.weight", ("input_norm",), d),
@@ -218,7 +227,7 @@ def _layer_spec(c: ModelConfig, i: int, expert_layout: str) -> list[TensorMappin
     else:
         # HF keeps zero-size shared-expert weights; we have no such variables.
         spec += [
-            TensorMapping(hf + f"mlp.shared_experts.{name}.weight", shape, ())
+            TensorMapping(hf + f"mlp.shared_experts.{name}.weight", shape, (), quantizable=True)
             for name, shape in (("gate_proj", (0, d)), ("up_proj", (0, d)), ("down_proj", (d, 0)))
         ]
     if expert_layout == "per_expert":
@@ -231,17 +240,18 @@ def _layer_spec(c: ModelConfig, i: int, expert_layout: str) -> list[TensorMappin
     )
     down = _experts((*block, "down_proj"), index, (e, f, d))
     spec += [
-        TensorMapping(hf + "mlp.experts.gate_up_proj", (e, 2 * f, d), gate_up, concat_axis=1),
-        _one(hf + "mlp.experts.down_proj", down),
+        TensorMapping(
+            hf + "mlp.experts.gate_up_proj", (e, 2 * f, d), gate_up, concat_axis=1, quantizable=True
+        ),
+        _one(hf + "mlp.experts.down_proj", down, quantizable=True),
     ]
     return spec
 
 
 def _swiglu(hf: str, path: tuple[str, ...], index, d: int, f: int) -> list[TensorMapping]:
     return [
-        _one(hf + "gate_proj.weight", _linear((*path, "gate_proj"), index, (d, f), 1)),
-        _one(hf + "up_proj.weight", _linear((*path, "up_proj"), index, (d, f), 1)),
-        _one(hf + "down_proj.weight", _linear((*path, "down_proj"), index, (f, d), 1)),
+        _one(hf + f"{name}.weight", _linear((*path, name), index, shape, 1), quantizable=True)
+        for name, shape in (("gate_proj", (d, f)), ("up_proj", (d, f)), ("down_proj", (f, d)))
     ]
 
 

@@ -13,7 +13,9 @@ The Orbax side is ``cursor_rl.checkpoints``' layout (``save_variables`` /
 the source ``config.json`` (whose token ids go back into an export) and, when the
 HF directory has one, the text of ``tokenizer.json``. Both directions hold one
 host copy of the model plus one tensor (import) or one shard (export).
-Quantized checkpoints (fp8, int4) must be dequantised to bf16 first.
+Block-fp8 checkpoints (the DeepSeek-V3 / Kimi-K2 release layout) are dequantised on
+import (``hf.load_hf_checkpoint``; ``hf_stream.load_hf_checkpoint_sharded`` places them
+shard by shard without the host copy); other quantisations (int4, ...) are refused.
 """
 
 from __future__ import annotations
