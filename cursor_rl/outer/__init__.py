@@ -22,8 +22,12 @@ this package's ``__init__`` imports nothing):
   beside each, and registers each new bench in the saturation registry.
 * ``report``: ``outer_report.md`` and ``outer_summary.json``.
 * ``run``: the one command.
+* ``judge``: a derived judge, distilled from the policy on rule-graded trajectories
+  (a linear head on the frozen policy's hidden states): its train command, held-out
+  accuracy report, and the callables the classification hook, detectors and task
+  filtering take.
 
 ``example_feedback.jsonl`` is a small, valid example of the format.
 
-Pure Python, no JAX.
+Every module but ``judge`` is pure Python (no JAX); ``judge`` runs the policy.
 """

@@ -35,11 +35,13 @@ Choices:
    the evidence so a reader can disagree.
 4. **A judge replaces the rules' category where configured.** A judge is any
    callable ``(FeedbackEvent) -> category | None`` (``Judge``): registered by name
-   (``register_judge``; ``rules`` is the default and has no judge) or named as
-   ``package.module:attribute``. ``None`` abstains (the rules stand); an answer
-   outside ``CATEGORIES`` or an exception is counted (``judge_errors``) and the
-   rules stand, so a flaky judge model never loses an event. The difficulty stays
-   the rules'.
+   (``register_judge``; ``rules`` is the default and has no judge), named as
+   ``package.module:attribute``, or made by a factory named with its argument,
+   ``package.module:factory=ARGUMENT`` (a derived judge model:
+   ``cursor_rl.outer.judge:category_judge=DIR``). ``None`` abstains (the rules
+   stand); an answer outside ``CATEGORIES`` or an exception is counted
+   (``judge_errors``) and the rules stand, so a flaky judge model never loses an
+   event. The difficulty stays the rules'.
 5. **Counted, never silent**: a detector that raises (as in ``rl.feedback``, choice 6)
    is counted in ``detector_errors`` and named in the event's evidence; a snapshot
    task id no dataset holds is counted in ``unresolved_tasks``; a snapshot whose
@@ -194,18 +196,23 @@ def judge_names() -> list[str]:
 
 def load_judge(spec: str) -> Judge | None:
     """The judge named by ``spec``: a registered name (``rules``: none, the rules
-    decide) or ``package.module:attribute`` (a callable ``(event) -> category | None``).
+    decide), ``package.module:attribute`` (a callable ``(event) -> category | None``)
+    or ``package.module:factory=ARGUMENT`` (``factory(ARGUMENT)`` makes the judge,
+    e.g. ``cursor_rl.outer.judge:category_judge=DIR`` loads a derived judge).
 
     Raises:
-      ValueError: an unknown name, or an attribute that is missing or not callable.
+      ValueError: an unknown name, an attribute that is missing or not callable, or
+        a factory that raised or made no callable.
     """
     spec = spec or "rules"
     if spec in _JUDGES:
         return _JUDGES[spec]()
     module_name, sep, attribute = spec.partition(":")
+    attribute, has_argument, argument = attribute.partition("=")
     if not sep or not module_name or not attribute:
         raise ValueError(
-            f"unknown judge {spec!r}: one of {judge_names()} or package.module:attribute"
+            f"unknown judge {spec!r}: one of {judge_names()}, package.module:attribute or "
+            "package.module:factory=ARGUMENT"
         )
     try:
         module = importlib.import_module(module_name)
@@ -214,6 +221,13 @@ def load_judge(spec: str) -> Judge | None:
     judge = getattr(module, attribute, None)
     if not callable(judge):
         raise ValueError(f"judge {spec!r}: {module_name} has no callable {attribute!r}")
+    if has_argument:
+        try:
+            judge = judge(argument)
+        except Exception as e:  # whatever the factory raised, said as a usage error
+            raise ValueError(f"judge {spec!r}: {attribute}({argument!r}) failed: {e}") from e
+        if not callable(judge):
+            raise ValueError(f"judge {spec!r}: {attribute}({argument!r}) made no callable")
     return judge
 
 

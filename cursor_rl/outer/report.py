@@ -105,7 +105,7 @@ def write(summary: Mapping[str, Any], out_dir: str) -> tuple[str, str]:
     return json_path, md_path
 
 
-def _pct(value: float | None) -> str:
+def num(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
@@ -113,7 +113,7 @@ def _ci(ci: Sequence[float] | None) -> str:
     return "" if not ci else f" [{ci[0]:.2f}, {ci[1]:.2f}]"
 
 
-def _cell(text: Any) -> str:
+def cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
@@ -142,18 +142,18 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     else:
         out.append(
             f"Current checkpoint **{ev['checkpoint']}** (of {', '.join(ev['checkpoints_found'])}) "
-            f"from `{ev['eval_dir']}`: pass@1 {_pct(ev['pass@1'])}{_ci(ev['pass@1_ci'])} over "
+            f"from `{ev['eval_dir']}`: pass@1 {num(ev['pass@1'])}{_ci(ev['pass@1_ci'])} over "
             f"{ev['tasks']} bench tasks ({', '.join(ev['benches'])}); "
             f"{ev['unmapped_episodes']} episodes of tasks no dataset holds, "
             f"{ev['lost_episodes']} lost, {len(ev['bad_lines'])} unreadable lines."
         )
     if summary["problems"]:
         out += ["", "**Problems** (the command exits 1):", ""]
-        out += [f"- {_cell(p)}" for p in summary["problems"]]
+        out += [f"- {cell(p)}" for p in summary["problems"]]
     if fb["bad_rows"]:
         out += ["", "## Bad rows", "", "| line | event | problem |", "|---:|---|---|"]
         for b in fb["bad_rows"]:
-            out.append(f"| {b['line']} | {_cell(b['event_id'] or '-')} | {_cell(b['problem'])} |")
+            out.append(f"| {b['line']} | {cell(b['event_id'] or '-')} | {cell(b['problem'])} |")
     counted = [
         ("snapshot task ids no dataset holds", cls["unresolved_tasks"]),
         ("snapshots whose tree hash differs from their task's", cls["snapshot_mismatches"]),
@@ -235,8 +235,8 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         ]
         for e in summary["events"]:
             out.append(
-                f"| {e['line']} | {_cell(e['event_id'])} | {e['category']} | {e['difficulty']} | "
-                f"{e['task_kind'] or '-'} | {_cell('; '.join(e['evidence']))} |"
+                f"| {e['line']} | {cell(e['event_id'])} | {e['category']} | {e['difficulty']} | "
+                f"{e['task_kind'] or '-'} | {cell('; '.join(e['evidence']))} |"
             )
     else:
         out.append("None.")

@@ -278,7 +278,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tokenizer", "", "Tokenizer of episode-format trajectories.", flag_values=fv
     )
     flags.DEFINE_string(
-        "judge", "rules", "rules, a registered judge, or package.module:function.", flag_values=fv
+        "judge",
+        "rules",
+        "rules, a registered judge, package.module:function or package.module:factory=ARG "
+        "(a derived judge: cursor_rl.outer.judge:category_judge=DIR).",
+        flag_values=fv,
     )
     flags.DEFINE_integer("top_areas", 2, "Weak areas that become new tasks.", flag_values=fv)
     flags.DEFINE_integer("train_per_area", 2, "New training tasks per area.", flag_values=fv)
