@@ -11,7 +11,10 @@
 3. **Return means quiescent.** bwrap reports the command's status while its init
    (killed by ``--die-with-parent``) may still be killing leftovers; ``supervise``
    returns only when the init's pidfd says the namespace is empty, so the harness
-   never races a process of the agent.
+   never races a process of the agent. An init already gone when its pid is read
+   (a quick command on a loaded machine: bwrap reaped it first) left an empty
+   namespace behind, since the kernel kills a namespace with its init: nothing is
+   left to wait for.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class _Command:
         self.info_r = info_r
         self.info = b""
         self.init_pidfd: int | None = None  # the PID namespace's init (choice 2)
+        self.init_gone = False  # the init had exited before its pid was read (choice 3)
         self.proc_pidfd = os.pidfd_open(proc.pid)
         self.output_kill_bytes = output_kill_bytes
         self.out = _Capture(output_bytes)
@@ -107,13 +111,16 @@ class _Command:
 
     def _read_info(self, data: bytes):
         self.info += data
-        if self.init_pidfd is not None:
+        if self.init_pidfd is not None or self.init_gone:
             return
         try:
             pid = json.loads(self.info)["child-pid"]
         except (ValueError, KeyError):  # not complete yet
             return
-        self.init_pidfd = os.pidfd_open(pid)
+        try:
+            self.init_pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # exited and reaped already: its namespace is empty
+            self.init_gone = True
 
     def _kill(self, why: str):
         self.killed_for = why
@@ -191,11 +198,12 @@ class _Command:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             exit_code = self.proc.wait()
-        if self.init_pidfd is None:
+        if self.init_pidfd is None and not self.init_gone:
             raise SandboxError(
                 f"the sandbox could not start the command: {self.err.text()[-2000:]}"
             )
-        self._reap_namespace()
+        if self.init_pidfd is not None:
+            self._reap_namespace()
         stderr = self.err.text()
         if self.killed_for == "timeout":
             stderr += (
