@@ -61,6 +61,7 @@ from etils import epath
 # tokenizer imports this module at its top (its loaders dispatch here), so this one
 # imports it as a module and reads its names only when called.
 from cursor_rl.chat import tokenizer as tokenizer_lib
+from cursor_rl.chat.special import SpecialTokens
 
 RANKS_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
@@ -91,7 +92,7 @@ KIMI_PATTERN = "|".join(
 _RESERVED = "<|reserved_token_{}|>"
 
 
-class TiktokenTokenizer:
+class TiktokenTokenizer(SpecialTokens):
     """A tiktoken BPE vocabulary plus special tokens, with ``Tokenizer``'s methods.
 
     Args:
@@ -299,22 +300,6 @@ class TiktokenTokenizer:
         tail = decoder.decode(b"", final=True)
         if tail:
             yield tail
-
-    def special_id(self, token: str) -> int:
-        """Id of a special token; KeyError naming it when this tokenizer lacks it."""
-        try:
-            return self._special[token]
-        except KeyError:
-            raise KeyError(
-                f"special token {token!r} is not in this tokenizer's vocabulary"
-            ) from None
-
-    def has_special(self, token: str) -> bool:
-        return token in self._special
-
-    @property
-    def special_ids(self) -> dict[str, int]:
-        return dict(self._special)
 
     def _role_id(self, project_token: str, role: str) -> int | None:
         if project_token in self._special:

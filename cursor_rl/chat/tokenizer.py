@@ -30,6 +30,7 @@ from etils import epath
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from cursor_rl.chat import tiktoken_tokenizer
+from cursor_rl.chat.special import SpecialTokens
 
 # The chat / tool-call protocol's special tokens (see cursor_rl.chat.protocol for the
 # format). Order fixes their ids in a freshly trained tokenizer: <|pad|> is 0.
@@ -51,7 +52,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 TOKENIZER_FILE = "tokenizer.json"
 
 
-class Tokenizer:
+class Tokenizer(SpecialTokens):
     """Thin wrapper over ``tokenizers.Tokenizer`` with the project's special tokens."""
 
     def __init__(self, hf_tokenizer: tokenizers.Tokenizer):
@@ -188,22 +189,6 @@ class Tokenizer:
                 continue
             yield text[len(emitted) :]
             emitted = text
-
-    def special_id(self, token: str) -> int:
-        """Id of a special token; KeyError naming it when this tokenizer lacks it."""
-        try:
-            return self._special[token]
-        except KeyError:
-            raise KeyError(
-                f"special token {token!r} is not in this tokenizer's vocabulary"
-            ) from None
-
-    def has_special(self, token: str) -> bool:
-        return token in self._special
-
-    @property
-    def special_ids(self) -> dict[str, int]:
-        return dict(self._special)
 
     @property
     def pad_id(self) -> int:

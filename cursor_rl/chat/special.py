@@ -1,0 +1,26 @@
+"""Special-token lookups shared by the tokenizers (``tokenizer.Tokenizer``,
+``tiktoken_tokenizer.TiktokenTokenizer``): a subclass fills ``_special`` (name -> id)."""
+
+from __future__ import annotations
+
+
+class SpecialTokens:
+    """Looks tokens up in ``self._special``, the tokenizer's special tokens by name."""
+
+    _special: dict[str, int]
+
+    def special_id(self, token: str) -> int:
+        """Id of a special token; KeyError naming it when this tokenizer lacks it."""
+        try:
+            return self._special[token]
+        except KeyError:
+            raise KeyError(
+                f"special token {token!r} is not in this tokenizer's vocabulary"
+            ) from None
+
+    def has_special(self, token: str) -> bool:
+        return token in self._special
+
+    @property
+    def special_ids(self) -> dict[str, int]:
+        return dict(self._special)
