@@ -1,7 +1,25 @@
-"""Special-token lookups shared by the tokenizers (``tokenizer.Tokenizer``,
-``tiktoken_tokenizer.TiktokenTokenizer``): a subclass fills ``_special`` (name -> id)."""
+"""The project's special tokens, and the lookups shared by the tokenizers
+(``tokenizer.Tokenizer``, ``tiktoken_tokenizer.TiktokenTokenizer``): a subclass fills
+``_special`` (name -> id)."""
 
 from __future__ import annotations
+
+# The chat / tool-call protocol's special tokens (see cursor_rl.chat.protocol for the
+# format). Order fixes their ids in a freshly trained tokenizer: <|pad|> is 0.
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|pad|>",
+    "<|bos|>",
+    "<|eos|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+    "<|end|>",
+    "<|tool_call|>",
+    "<|/tool_call|>",
+    "<|summary|>",
+    "<|/summary|>",
+)
 
 
 class SpecialTokens:

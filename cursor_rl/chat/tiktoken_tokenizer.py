@@ -60,8 +60,7 @@ from etils import epath
 
 # tokenizer imports this module at its top (its loaders dispatch here), so this one
 # imports it as a module and reads its names only when called.
-from cursor_rl.chat import tokenizer as tokenizer_lib
-from cursor_rl.chat.special import SpecialTokens
+from cursor_rl.chat.special import SPECIAL_TOKENS, SpecialTokens
 
 RANKS_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
@@ -193,7 +192,7 @@ class TiktokenTokenizer(SpecialTokens):
         Returns:
           The tokens added, in id order; the vocabulary grows by that many.
         """
-        missing = [t for t in tokenizer_lib.SPECIAL_TOKENS if t not in self._special]
+        missing = [t for t in SPECIAL_TOKENS if t not in self._special]
         for token in missing:
             self._special[token] = self.vocab_size
         if missing:

@@ -30,24 +30,7 @@ from etils import epath
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from cursor_rl.chat import tiktoken_tokenizer
-from cursor_rl.chat.special import SpecialTokens
-
-# The chat / tool-call protocol's special tokens (see cursor_rl.chat.protocol for the
-# format). Order fixes their ids in a freshly trained tokenizer: <|pad|> is 0.
-SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|pad|>",
-    "<|bos|>",
-    "<|eos|>",
-    "<|system|>",
-    "<|user|>",
-    "<|assistant|>",
-    "<|tool|>",
-    "<|end|>",
-    "<|tool_call|>",
-    "<|/tool_call|>",
-    "<|summary|>",
-    "<|/summary|>",
-)
+from cursor_rl.chat.special import SPECIAL_TOKENS, SpecialTokens
 
 TOKENIZER_FILE = "tokenizer.json"
 
