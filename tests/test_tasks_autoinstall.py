@@ -181,30 +181,7 @@ def scripted_agent(chat, turns):
 
 def oracle_turns(repo, recipe_overrides=None):
     """The heuristic plan, replayed as harness tool calls (the agent mode's oracle)."""
-    from cursor_rl.chat.protocol import ToolCall
-
-    plan = buildfiles.discover(repo)
-    installer = autoinstall._Installer(repo, "/nonexistent", autoinstall.AutoinstallConfig())
-    commands = installer.install_commands(plan)
-    recipe = {
-        "install_commands": commands,
-        "test_command": plan.test_command,
-        "framework": plan.framework,
-        "python_path": list(plan.python_path),
-        "packages": list(plan.packages),
-        "test_files": list(plan.test_files),
-        **(recipe_overrides or {}),
-    }
-    turns = [ToolCall("list_dir", {"path": "repo"})]
-    turns += [ToolCall("run_terminal", {"command": c, "timeout_s": 600}) for c in commands]
-    turns.append(
-        ToolCall(
-            "edit_file",
-            {"path": autoinstall.AGENT_RECIPE_FILE, "old_str": "", "new_str": json.dumps(recipe)},
-        )
-    )
-    turns.append(ToolCall("submit", {}))
-    return turns
+    return autoinstall.scripted_turns(repo, autoinstall.AutoinstallConfig(), recipe_overrides)
 
 
 @needs_sandbox

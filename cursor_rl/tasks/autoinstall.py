@@ -679,12 +679,16 @@ def scripted_agent(config: AutoinstallConfig | None = None, *, max_turns: int = 
     chat = ChatFormat(Tokenizer.train([AGENT_SYSTEM, AGENT_TASK, *schemas], vocab_size=400))
 
     def policy_for(repo: str) -> Policy:
-        return _scripted_policy(chat, _scripted_turns(repo, config))
+        return _scripted_policy(chat, scripted_turns(repo, config))
 
     return Agent(name="scripted", chat=chat, policy_for=policy_for, max_turns=max_turns)
 
 
-def _scripted_turns(repo: str, config: AutoinstallConfig) -> list[ToolCall]:
+def scripted_turns(
+    repo: str, config: AutoinstallConfig, recipe_overrides: dict[str, Any] | None = None
+) -> list[ToolCall]:
+    """The heuristic plan replayed as harness tool calls: list the repository, run each
+    install command, write the recipe (with ``recipe_overrides``), submit."""
     plan = buildfiles.discover(repo)
     # Only the installer's commands are used (nothing is prepared in its workdir).
     commands = _Installer(repo, repo, config).install_commands(plan)
@@ -695,6 +699,7 @@ def _scripted_turns(repo: str, config: AutoinstallConfig) -> list[ToolCall]:
         "python_path": list(plan.python_path),
         "packages": list(plan.packages),
         "test_files": list(plan.test_files),
+        **(recipe_overrides or {}),
     }
     turns = [ToolCall("list_dir", {"path": "repo"})]
     turns += [ToolCall("run_terminal", {"command": c, "timeout_s": 600}) for c in commands]
