@@ -295,6 +295,11 @@ def test_feedback_section_and_plot_compare_behaviour_rates_with_a_baseline(tmp_p
     assert "| 2 | 0.250 | 2 | 0.500 |" in section
     assert "| gave_up_early | 0.500 → 0.125 | 0.500 → 0.375 |" in section
     assert pathlib.Path(on, "feedback.png").read_bytes().startswith(PNG_MAGIC)
+    kl = str(tmp_path / "kl")  # objective "kl": its KL per window token has a column
+    _write_rows(kl, [dict(r, feedback_kl=0.75) for r in rl_rows([0.5, 0.25], [4, 2])])
+    section = _report_text(kl).split("## Textual feedback")[1].split("##")[0]
+    assert "| step | gave_up_early | points trained | signal | KL |" in section
+    assert "| 2 | 0.250 | 2 | 0.500 | 0.750 |" in section
     empty = str(tmp_path / "none")
     _write_rows(empty, _training_rows()[:3])
     assert "No textual-feedback metrics" in _report_text(empty)

@@ -1,6 +1,8 @@
 """Textual feedback (cursor_rl.rl.feedback): detectors on recorded episodes, teacher
 rows in the batch, teacher log-probs equal to a direct forward pass on the hinted
-sequence, and coef = 0 reproducing plain GRPO bitwise."""
+sequence, coef = 0 reproducing plain GRPO bitwise, and the "kl" objective equal to the
+whole-vocabulary KL between two direct forward passes and moving the student toward
+the teacher."""
 
 import functools
 import os
@@ -13,7 +15,7 @@ import pytest
 from rl_micro_config import MODEL
 from test_rl_loop import ROOT, rl_workdir, tokenizer, variables  # noqa: F401 (fixtures)
 
-from cursor_rl import config_lib
+from cursor_rl import config_lib, model
 from cursor_rl.chat import protocol
 from cursor_rl.chat.episodes import Episode
 from cursor_rl.chat.protocol import CALL_CLOSE, CALL_OPEN, END, ChatFormat, Message, ToolCall
@@ -202,29 +204,36 @@ def test_teacher_logprobs_equal_a_direct_forward_pass_on_the_hinted_sequence(
     np.testing.assert_allclose(got, expected[: got.size], atol=1e-5)
 
 
+def _update(weights, data, coef, objective="advantage", learning_rate=1e-2):
+    """One GRPO step from ``weights`` on ``data`` (its old log-probs computed here), with
+    textual feedback's ``coef`` and ``objective``: (new state, metrics)."""
+    plain = {k: v for k, v in data.items() if k not in grpo.FEEDBACK_KEYS}
+    old = np.asarray(
+        grpo.logprobs_step(weights, {k: plain[k] for k in step_lib.BATCH_KEYS}, config=MODEL)
+    )
+    opt = config_lib.base_config().optimizer
+    opt.update(learning_rate=learning_rate, schedule="constant", warmup_steps=0)
+    tx = optim.make_optimizer(opt, 10)
+    state = step_lib.TrainState(
+        step=jax.numpy.int32(0), params=weights["params"], router=weights["router"],
+        opt_state=tx.init(weights["params"]), skipped=jax.numpy.int32(0),
+    )  # fmt: skip
+    return grpo.grpo_step(
+        state, _put(data, old), config=MODEL, grpo=grpo.GRPOConfig(), tx=tx,
+        schedule=optim.make_schedule(opt, 10), feedback_coef=coef,
+        feedback_objective=objective,
+    )  # fmt: skip
+
+
 def test_coef_zero_reproduces_plain_grpo_bitwise_and_coef_moves_the_update(
     chat,
     variables,  # noqa: F811
 ):
     _, _, batch, _, _ = _batch_with_points(chat)
     plain = {k: v for k, v in batch.items() if k not in grpo.FEEDBACK_KEYS}
-    old = np.asarray(
-        grpo.logprobs_step(variables, {k: plain[k] for k in step_lib.BATCH_KEYS}, config=MODEL)
-    )
-    opt = config_lib.base_config().optimizer
-    opt.update(learning_rate=1e-2, schedule="constant", warmup_steps=0)
-    tx = optim.make_optimizer(opt, 10)
-    schedule = optim.make_schedule(opt, 10)
 
     def step(data, coef):
-        state = step_lib.TrainState(
-            step=jax.numpy.int32(0), params=variables["params"], router=variables["router"],
-            opt_state=tx.init(variables["params"]), skipped=jax.numpy.int32(0),
-        )  # fmt: skip
-        new, metrics = grpo.grpo_step(
-            state, _put(data, old), config=MODEL, grpo=grpo.GRPOConfig(), tx=tx,
-            schedule=schedule, feedback_coef=coef,
-        )  # fmt: skip
+        new, metrics = _update(variables, data, coef)
         return jax.tree.leaves(new.params), metrics
 
     base, _ = step(plain, 0.0)
@@ -235,6 +244,91 @@ def test_coef_zero_reproduces_plain_grpo_bitwise_and_coef_moves_the_update(
     assert abs(float(metrics["feedback_signal"])) > 0
     moved, _ = step(batch, 1.0)
     assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(base, moved))
+
+
+def _full_logp(weights, tokens):
+    """log softmax of the model's logits [T-1, V] for one unpacked sequence."""
+    ids = np.asarray(tokens, np.int32)[None, :-1]
+    n = ids.shape[1]
+    hidden, head, _ = model.hidden_with_aux(
+        MODEL, weights, jax.numpy.asarray(ids), jax.numpy.arange(n)[None],
+        jax.numpy.ones((1, n), jax.numpy.int32),
+    )  # fmt: skip
+    logits = model.project_logits(hidden, head)[0]
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
+
+
+def _kl_step(weights, data, coef):
+    return _update(weights, data, coef, objective="kl", learning_rate=1e-3)
+
+
+@pytest.fixture(scope="module")
+def sharp(variables):  # noqa: F811
+    """The micro model's weights (matrices) scaled by 4: at initialisation its
+    next-token distributions are nearly uniform whatever the context, so a hint barely
+    moves them (KL ~1e-7); scaled, the hinted and plain distributions differ (KL ~0.1)."""
+    params = jax.tree.map(lambda x: x * 4 if x.ndim >= 2 else x, variables["params"])
+    return {"params": params, "router": variables["router"]}
+
+
+def test_kl_objective_is_the_whole_vocabulary_kl_to_the_hinted_forward_pass(chat, sharp):
+    """objective="kl": the step's mean KL over the window equals KL(teacher || student)
+    computed from two direct forward passes, the hinted sequence's and the episode's,
+    at the window's positions; and the teacher's log p of the sampled tokens equals
+    teacher_logprobs'."""
+    episodes, points, batch, _, hint_ids = _batch_with_points(chat)
+    _, metrics = _kl_step(sharp, batch, coef=1.0)
+    traj = episodes[0].trajectory
+    at = points[0].position
+    hint = list(hint_ids(points[0].hint))
+    student = _full_logp(sharp, traj.tokens)
+    teacher = _full_logp(sharp, [*traj.tokens[:at], *hint, *traj.tokens[at:]])
+    # The window's model tokens j (predicted at row j - 1) and their hinted twins.
+    # (64: _batch_with_points' window)
+    window = [j for j in range(at, len(traj.tokens)) if traj.loss_mask[j]][:64]
+    kls = []
+    for j in window:
+        p, q = teacher[j - 1 + len(hint)], student[j - 1]
+        kls.append(float(np.sum(np.exp(p) * (p - q))))
+    assert len(kls) == int(metrics["feedback_tokens"]) and len(kls) > 10
+    np.testing.assert_allclose(float(metrics["feedback_kl"]), np.mean(kls), rtol=1e-4)
+    teacher_lp, on = grpo.teacher_logprobs(sharp, batch, config=MODEL)
+    old = grpo.logprobs_step(
+        sharp, {k: jax.numpy.asarray(batch[k]) for k in step_lib.BATCH_KEYS}, config=MODEL
+    )
+    expected = float(((teacher_lp - old) * on).sum() / on.sum())
+    np.testing.assert_allclose(float(metrics["feedback_signal"]), expected, atol=1e-5)
+
+
+def test_kl_objective_moves_the_student_toward_the_teacher(chat, sharp):
+    """One update with the KL term (advantages zeroed, so only the KL acts) lowers the
+    KL from the original teacher's distributions; coef = 0 under objective "kl" is
+    plain GRPO, bitwise."""
+    _, _, batch, _, _ = _batch_with_points(chat)
+    quiet = dict(batch, advantages=np.zeros_like(batch["advantages"]))
+    plain = {k: v for k, v in quiet.items() if k not in grpo.FEEDBACK_KEYS}
+    base, _ = _kl_step(sharp, plain, coef=0.0)
+    zero, _ = _kl_step(sharp, quiet, coef=0.0)
+    for a, b in zip(jax.tree.leaves(base.params), jax.tree.leaves(zero.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    new, metrics = _kl_step(sharp, quiet, coef=1.0)
+    hidden, on = grpo.teacher_hidden(sharp, batch, config=MODEL)
+    data = {k: jax.numpy.asarray(batch[k]) for k in step_lib.BATCH_KEYS}
+    weight = on / on.sum()
+
+    def kl(params):
+        stats, _ = step_lib.token_stats(MODEL, params, sharp["router"], data, teacher_hidden=hidden)
+        return float((stats["kl_teacher"] * weight).sum())
+
+    before, after = kl(sharp["params"]), kl(new.params)
+    np.testing.assert_allclose(before, float(metrics["feedback_kl"]), rtol=1e-4)
+    assert after < before * 0.99, (before, after)
+
+
+def test_feedback_objective_is_checked():
+    with pytest.raises(ValueError, match="objective"):
+        feedback.FeedbackConfig.from_mapping({"objective": "reverse"})
+    assert feedback.FeedbackConfig.from_mapping({"objective": "kl"}).objective == "kl"
 
 
 @pytest.mark.slow

@@ -645,12 +645,20 @@ def _feedback(rows, base_rows, baseline) -> str:
     names = _behaviours(rows)
     if not names:
         return "No textual-feedback metrics in the RL rows."
-    lines = ["Share of scored episodes on which each detector fired, per RL step."]
-    header = ["step", *names, "points trained", "signal"]
+    with_kl = any("feedback_kl" in r for r in steps)
+    kl_note = "; KL: mean KL(π_teacher ‖ π_student) per window token (objective kl)"
+    lines = [
+        "Share of scored episodes on which each detector fired, per RL step; signal: mean "
+        "log π_teacher − log π_student of the sampled window tokens"
+        + (kl_note if with_kl else "")
+        + "."
+    ]
+    header = ["step", *names, "points trained", "signal", *(["KL"] if with_kl else [])]
     body = [
         [str(r["step"])]
         + [_fmt(r.get(FEEDBACK_PREFIX + n)) for n in names]
         + [_fmt(r.get(FEEDBACK_PREFIX + "trained_points"), 0), _fmt(r.get("feedback_signal"))]
+        + ([_fmt(r.get("feedback_kl"))] if with_kl else [])
         for r in steps
     ]
     lines.append(_table(header, body))

@@ -34,6 +34,12 @@ Choices:
    on-policy distillation's reverse-KL advantage (the student is pushed toward the
    teacher on the tokens it sampled) riding on the policy-gradient estimator, so PPO
    clipping and TIS apply to it unchanged; ``coef = 0`` is plain GRPO, bitwise.
+   ``objective="kl"`` instead distils the teacher's whole next-token distribution:
+   ``coef * mean_t KL(pi_teacher(.|x_<p, hint, y_p..t-1) || pi(.|x_<t))`` over the
+   window is added to the loss. The sampled-token signal can only push the sampled
+   token down and leaves where the freed probability goes to the student; the KL names
+   the teacher's preferred tokens (on-policy distillation with the hinted policy as
+   teacher; docs/learning.md section 10 measures both).
 4. **One program**: the hinted sequences are packed into ``teacher_*`` rows of the
    same batch, and the GRPO step scores them (no gradient) before its micro-batch
    loop, in the same XLA program as the policy loss; a batch with no point has no
@@ -70,7 +76,12 @@ TEST_COMMAND = re.compile(r"pytest|unittest|\btest|\bpython")
 @dataclasses.dataclass(frozen=True)
 class FeedbackConfig:
     enabled: bool = False
-    coef: float = 0.5  # lambda: weight of the teacher signal in the advantage
+    coef: float = 0.5  # lambda: weight of the teacher signal (advantage term or KL)
+    # How the teacher teaches (``grpo`` choice 9): "kl" adds the whole-vocabulary
+    # KL(teacher || student) at each window position to the loss; "advantage" adds the
+    # clipped log-ratio of the sampled token to its advantage (docs/learning.md
+    # sections 9-10: only "kl" raised the behaviour the hint asks for).
+    objective: str = "kl"
     window: int = 256  # model tokens after the point that get the signal
     clip: float = 2.0  # |log pi_teacher - log pi_student| cap per token
     detectors: tuple[str, ...] = (
@@ -97,6 +108,10 @@ class FeedbackConfig:
         missing = sorted(set(config.detectors) - set(hint_library.HINTS))
         if missing:
             raise ValueError(f"rl.hints.HINTS has no hint for {missing}")
+        if config.objective not in ("advantage", "kl"):
+            raise ValueError(
+                f"rl.feedback.objective={config.objective!r}: one of ('advantage', 'kl')"
+            )
         if config.coef < 0 or config.window <= 0 or config.clip <= 0:
             raise ValueError("rl.feedback: coef must be >= 0, window and clip > 0")
         return config

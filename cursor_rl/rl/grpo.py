@@ -36,10 +36,14 @@ Choices, in the order they act:
    with like (veRL divides the actor's logits by the rollout temperature the same way).
 
 9. **Textual feedback** (``cursor_rl.rl.feedback``), when a batch carries teacher
-   rows: the same parameters score the hinted sequences (no gradient), and each
-   student token in a feedback window gets
-   ``A_t + coef * clip(logp_teacher - old_logprobs, -clip, clip)`` as its advantage,
-   in the same program, before the micro-batch loop.
+   rows: the same parameters score the hinted sequences (no gradient), in the same
+   program, before the micro-batch loop. Objective ``advantage``: each student token
+   in a feedback window gets ``A_t + coef * clip(logp_teacher - old_logprobs, -clip,
+   clip)`` as its advantage. Objective ``kl``: the loss gains ``coef * sum_t w_t *
+   KL(pi_teacher(.|hinted x_<t) || pi_theta(.|x_<t))`` over the window's positions
+   (whole vocabulary; ``w_t = 1 / #window tokens in the batch``), whose gradient on the
+   student's logits is ``coef * w_t * (p_theta - p_teacher)``: it raises the tokens the
+   teacher prefers, not only lowers the sampled one.
 
 The update itself (optimizer, clipping, non-finite skip, router-bias update)
 is the trainer's (``cursor_rl.train.step``).
@@ -56,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from cursor_rl import model
 from cursor_rl.model.config import ModelConfig
 from cursor_rl.train import optimizer as optim
 from cursor_rl.train import step as step_lib
@@ -73,6 +78,7 @@ AGGREGATIONS = ("token_mean", "sequence_mean")
 # their own, and for each student token the flat index of the same token among them.
 TEACHER_KEYS = tuple(f"teacher_{k}" for k in step_lib.BATCH_KEYS)
 FEEDBACK_KEYS = ("feedback_index", *TEACHER_KEYS)
+FEEDBACK_OBJECTIVES = ("advantage", "kl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,11 +226,7 @@ def teacher_logprobs(
     """
     teacher = {k: batch[f"teacher_{k}"] for k in step_lib.BATCH_KEYS}
     rows = int(teacher["tokens"].shape[0])
-    chunk = (
-        rows
-        if chunk_rows <= 0
-        else max(d for d in range(1, rows + 1) if rows % d == 0 and d <= chunk_rows)
-    )
+    chunk = _chunk(rows, chunk_rows)
 
     def score(rows_batch):
         stats, _ = step_lib.token_stats(
@@ -240,6 +242,43 @@ def teacher_logprobs(
     return jnp.where(on, logp[jnp.maximum(index, 0)], 0.0), on
 
 
+def teacher_hidden(
+    variables: dict[str, Any],
+    batch: Mapping[str, jax.Array],
+    *,
+    config: ModelConfig,
+    chunk_rows: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """The teacher's final hidden state at each student position of a feedback window
+    (objective ``kl``, choice 9): the ``teacher_*`` rows' hidden states (``chunk_rows``
+    rows at a time, no gradient) gathered through ``feedback_index``. Returns (hidden
+    [B, T, D], zeros outside windows; the window mask [B, T])."""
+    teacher = {k: batch[f"teacher_{k}"] for k in step_lib.BATCH_KEYS}
+    rows = int(teacher["tokens"].shape[0])
+    chunk = _chunk(rows, chunk_rows)
+
+    def hidden(rows_batch):
+        h, _, _ = model.hidden_with_aux(
+            config, variables, rows_batch["tokens"], rows_batch["positions"],
+            rows_batch["segment_ids"],
+        )  # fmt: skip
+        return h
+
+    chunks = jax.tree.map(lambda x: x.reshape(rows // chunk, chunk, *x.shape[1:]), teacher)
+    h = jax.lax.stop_gradient(jax.lax.map(hidden, chunks))
+    h = h.reshape(-1, h.shape[-1])
+    index = batch["feedback_index"]
+    on = index >= 0
+    return jnp.where(on[..., None], h[jnp.maximum(index, 0)], 0).astype(h.dtype), on
+
+
+def _chunk(rows: int, chunk_rows: int) -> int:
+    """The largest divisor of ``rows`` not above ``chunk_rows`` (0: all rows)."""
+    if chunk_rows <= 0:
+        return rows
+    return max(d for d in range(1, rows + 1) if rows % d == 0 and d <= chunk_rows)
+
+
 def grpo_step(
     state: step_lib.TrainState,
     batch: Mapping[str, jax.Array],
@@ -253,17 +292,31 @@ def grpo_step(
     temperature: float = 1.0,
     feedback_coef: float = 0.0,
     feedback_clip: float = 2.0,
+    feedback_objective: str = "advantage",
 ) -> tuple[step_lib.TrainState, dict[str, jax.Array]]:
     """One optimizer step of the GRPO objective on a batch of RL_BATCH_KEYS arrays
     (and FEEDBACK_KEYS when textual feedback found points in it, choice 9).
 
     ``temperature`` is the rollouts' sampling temperature: the policy being improved is
     ``softmax(logits / temperature)``, the distribution the tokens were drawn from
-    (choice 8).
+    (choice 8). ``feedback_objective``: ``advantage`` or ``kl`` (choice 9).
     """
+    if feedback_objective not in FEEDBACK_OBJECTIVES:
+        raise ValueError(f"feedback_objective={feedback_objective!r}: one of {FEEDBACK_OBJECTIVES}")
     batch = dict(batch)
     feedback_metrics = {}
-    if "feedback_index" in batch:
+    distill = "feedback_index" in batch and feedback_objective == "kl" and feedback_coef > 0
+    if distill:
+        fb = {k: batch.pop(k) for k in FEEDBACK_KEYS}
+        rows = int(batch["tokens"].shape[0])
+        batch["teacher_hidden"], on = teacher_hidden(
+            {"params": state.params, "router": state.router}, fb, config=config,
+            chunk_rows=rows // microbatches,
+        )  # fmt: skip
+        tokens = on.astype(jnp.float32).sum()
+        batch["distill_weight"] = on.astype(jnp.float32) / jnp.maximum(tokens, 1.0)
+        feedback_metrics = {"feedback_tokens": tokens}
+    elif "feedback_index" in batch:
         fb = {k: batch.pop(k) for k in FEEDBACK_KEYS}
         rows = int(batch["tokens"].shape[0])
         teacher_lp, on = teacher_logprobs(
@@ -285,14 +338,24 @@ def grpo_step(
     forward_config = config.replace(report_attn_max_logit=True) if with_logits else config
 
     def loss_fn(params, micro):
+        micro = dict(micro)
+        teacher = micro.pop("teacher_hidden", None)
         stats, aux = step_lib.token_stats(
             forward_config, params, state.router, micro, loss_chunk, with_entropy=True,
-            temperature=temperature,
+            temperature=temperature, teacher_hidden=teacher,
         )  # fmt: skip
         loss, diagnostics = policy_loss(stats["logp"], micro, grpo)
         diagnostics["entropy"] = (
             jax.lax.stop_gradient(stats["entropy"]) * micro["token_weight"]
         ).sum()
+        if teacher is not None:
+            weight = micro["distill_weight"]
+            kl = (stats["kl_teacher"] * weight).sum()
+            loss = loss + feedback_coef * kl
+            diagnostics["feedback_kl"] = jax.lax.stop_gradient(kl)
+            diagnostics["feedback_signal"] = jax.lax.stop_gradient(
+                ((stats["teacher_logp"] - stats["logp"]) * weight).sum()
+            )
         sums = (diagnostics, (aux["expert_load"], aux["dropped"]))
         return loss, ((sums, aux["attn_max_logit"]) if with_logits else sums)
 

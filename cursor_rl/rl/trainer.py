@@ -311,6 +311,7 @@ class RLTrainer:
                     temperature=self.temperature,
                     feedback_coef=self.feedback.coef,
                     feedback_clip=self.feedback.clip,
+                    feedback_objective=self.feedback.objective,
                 ),
                 in_shardings=(self.shardings, batch_sh),
                 out_shardings=(self.shardings, None),

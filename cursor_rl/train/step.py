@@ -137,11 +137,18 @@ def token_stats(
     loss_chunk: int = 0,
     with_entropy: bool = False,
     temperature: float = 1.0,
+    teacher_hidden: jax.Array | None = None,
 ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
     """Per-position statistics of the next-token distribution, and the model's aux outputs.
 
     Returns ``{"logp": log p(target) [B, T], "log_z": [B, T]}`` (+ ``"entropy"``), all
-    float32. With ``loss_chunk`` the vocabulary projection runs over chunks of that
+    float32. With ``teacher_hidden`` [B, T, D] (a teacher's final hidden states, one
+    per position; no gradient flows into them or, through them, into the head) also
+    ``"kl_teacher"``: ``KL(p_teacher || p)`` over the whole vocabulary at each position,
+    the teacher's logits projected with the same head, and ``"teacher_logp"``, the
+    teacher's log p(target).
+
+    With ``loss_chunk`` the vocabulary projection runs over chunks of that
     many positions, each recomputed in backward, so float32 [B, T, V] logits never
     exist at once (vocabularies of 160K make them the largest activation). With a
     ``temperature`` the distribution is ``softmax(logits / temperature)``: the one an
@@ -157,7 +164,7 @@ def token_stats(
         batch["segment_ids"],
     )
 
-    def stats(h, targets):
+    def stats(h, targets, th=None):
         logits = model.project_logits(h, head)
         if temperature != 1.0:
             logits = logits / temperature
@@ -167,6 +174,13 @@ def token_stats(
         if with_entropy:
             probs = jax.nn.softmax(logits, axis=-1)
             out["entropy"] = log_z - jnp.sum(probs * logits, axis=-1)
+        if th is not None:
+            teacher = model.project_logits(th, jax.lax.stop_gradient(head)) / temperature
+            teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher), axis=-1)
+            out["kl_teacher"] = jnp.sum(
+                jnp.exp(teacher_logp) * (teacher_logp - (logits - log_z[..., None])), axis=-1
+            )
+            out["teacher_logp"] = jnp.take_along_axis(teacher_logp, targets[..., None], -1)[..., 0]
         return out
 
     b, t = batch["targets"].shape
@@ -176,12 +190,13 @@ def token_stats(
         def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
             return jnp.moveaxis(x.reshape(b, n, loss_chunk, *x.shape[2:]), 1, 0)
 
-        out = jax.lax.map(
-            jax.checkpoint(lambda a: stats(*a)), (split(hidden), split(batch["targets"]))
-        )
+        inputs = (split(hidden), split(batch["targets"]))
+        if teacher_hidden is not None:
+            inputs = (*inputs, split(teacher_hidden))
+        out = jax.lax.map(jax.checkpoint(lambda a: stats(*a)), inputs)
         out = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(b, t), out)
     else:
-        out = stats(hidden, batch["targets"])
+        out = stats(hidden, batch["targets"], teacher_hidden)
     return out, aux
 
 
