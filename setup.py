@@ -38,7 +38,10 @@ _EXTRAS = {
     # google-cloud-storage, which Orbax asks about the bucket (tensorstore writes the
     # arrays itself). Add it to a pod's extras: `.[tpu,gcs]`.
     "gcs": ["gcsfs>=2024.6"],
-    "test": ["pytest>=8,<10", "ruff>=0.17,<0.18"],
+    # Tool calls and grading on a Ray cluster (rl.tool_backend="ray"); plain ray, no
+    # dashboard: a ~80 MB wheel. The test extra has it so CI runs the Ray pool's tests.
+    "ray": ["ray>=2.60,<2.61"],
+    "test": ["pytest>=8,<10", "ruff>=0.17,<0.18", "ray>=2.60,<2.61"],
 }
 
 setuptools.setup(

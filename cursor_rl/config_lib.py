@@ -85,6 +85,10 @@ def _rl_defaults() -> ml_collections.ConfigDict:
     """The RL stage's section; rollout, reward and GRPO defaults come from their dataclasses."""
     rl = ml_collections.ConfigDict()
     rl.role = "colocated"  # colocated | trainer | sampler (two programs, see rl/loop.py)
+    # Many samplers (role sampler): num_samplers processes, each started with its own
+    # sampler_id in [0, num_samplers); sampler k writes rollout batches k, k+N, ...
+    rl.num_samplers = 1
+    rl.sampler_id = 0
     rl.num_steps = 20  # GRPO updates (= policy versions)
     rl.tasks_per_step = 8  # task groups per rollout batch
     # Dynamic sampling (DAPO, Yu et al. 2025): a rollout batch samples further rounds
@@ -101,7 +105,17 @@ def _rl_defaults() -> ml_collections.ConfigDict:
     rl.microbatch_rows = 0
     rl.train_seq_len = 2048  # trainer row length (a segment longer than this is cut)
     rl.max_staleness = 1  # accept rollouts at most this many policy versions old
-    rl.tool_workers = 2  # sandbox worker processes
+    rl.tool_workers = 2  # sandbox worker processes (local) or actors (ray)
+    # Where episodes' tool calls run (cursor_rl/env/ray_pool.py): "local", the process
+    # pool on this machine, or "ray", actors on a Ray cluster (the ray extra).
+    rl.tool_backend = "local"
+    rl.ray = ml_collections.ConfigDict()
+    rl.ray.address = ""  # ray.init(address=...); "": a local Ray
+    rl.ray.max_in_flight = 64  # opens/calls/closes/grades queued or running at once
+    rl.ray.max_retries = 1  # worker deaths an episode survives (by replay), then lost
+    rl.ray.num_cpus_per_worker = 1.0
+    rl.ray.ship_workspaces = True  # trees via the object store (no shared filesystem)
+    rl.ray.object_store_memory_mb = 0  # a local Ray's object store (0: Ray's default)
     rl.keep_policies = 3  # published policy versions kept on disk
     rollout = dataclasses.asdict(RolloutConfig())
     for shared in ("system_prompt", "tools_style"):  # from the harness section

@@ -104,22 +104,28 @@ def test_a_hung_worker_is_replaced(tmp_path):
         fresh.close()
 
 
+def agents_at_once(episodes, rounds):
+    """One agent thread per episode, each running ``echo i`` for i < ``rounds``; the
+    outputs that were not exactly that (empty: every call answered right)."""
+    failures = []
+
+    def agent(episode):
+        for i in range(rounds):
+            result = episode.execute(terminal(f"echo {i}"))
+            if result.text != f"exit code: 0\nstdout:\n{i}":
+                failures.append(result.text)
+
+    threads = [threading.Thread(target=agent, args=(e,)) for e in episodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return failures
+
+
 def test_many_threads_share_the_pool(tmp_path):
     with ToolPool(2, max_pending=3) as pool:
         episodes = [pool.open_episode(ws) for ws in workspaces(tmp_path, 6)]
-        failures = []
-
-        def agent(episode):
-            for i in range(5):
-                result = episode.execute(terminal(f"echo {i}"))
-                if result.text != f"exit code: 0\nstdout:\n{i}":
-                    failures.append(result.text)
-
-        threads = [threading.Thread(target=agent, args=(e,)) for e in episodes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert failures == []
+        assert agents_at_once(episodes, 5) == []
         for e in episodes:
             e.close()

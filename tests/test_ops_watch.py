@@ -286,6 +286,23 @@ def test_rewind_of_rl_sets_back_checkpoints_policies_rollouts_and_cursor(tmp_pat
     assert "rl/rollouts/000003.json" in again["quarantined"]
 
 
+def test_rewind_of_rl_quarantines_batches_past_a_gap_left_by_another_sampler(tmp_path):
+    """Two samplers (sampler k writes indices k, k+2, ...): sampler 0 has not written
+    batch 4 yet, sampler 1 has written 5 with a policy the rewind sets aside; 5 goes
+    to quarantine too, so sampler 1 samples it again from the restored policy."""
+    wd = Workdir(tmp_path)
+    _mkckpt(wd.checkpoint_dir("rl"), 3, 4)
+    _mkckpt(wd.policy_dir, 1, 2, 3)
+    wd.rollouts_dir.mkdir(parents=True)
+    for index, version in [(0, 0), (1, 1), (2, 2), (3, 2), (5, 3)]:
+        (wd.rollouts_dir / f"{index:06d}.json").write_text(json.dumps({"policy_version": version}))
+    rows = [{"stage": "rl", "step": s, "policy_version": v} for s, v in [(2, 1), (3, 2), (4, 3)]]
+    done = watch.rewind(wd, rows, "rl", 4, tag="t")
+    assert "rl/rollouts/000005.json" in done["quarantined"]
+    left = sorted(p.name for p in wd.rollouts_dir.glob("0*.json"))
+    assert left == [f"{i:06d}.json" for i in range(4)]
+
+
 def test_nan_injection_fires_once_per_workdir(tmp_path, monkeypatch):
     monkeypatch.setenv(faults.NAN_ENV, "rl:3")
     assert not faults.inject_nan(tmp_path, "rl", 2)

@@ -198,12 +198,16 @@ def _rewind_rl(workdir, rows, restored, bad_step, skip_bad_batch, tag, moved) ->
         if v > version:
             moved.append(_quarantine(workdir, workdir.policy_dir / str(v), tag))
     rollouts = workdir.rollouts_dir
-    index = restored
-    while (path := rollouts / f"{index:06d}.json").exists():
+    # Every batch from ``restored`` on, gaps included: with several samplers (sampler k
+    # writes indices k, k+N, ...) a later batch may exist while an earlier one does not.
+    indices = sorted(
+        int(p.stem) for p in rollouts.glob("*.json") if p.stem.isdigit() and len(p.stem) == 6
+    )
+    for index in (i for i in indices if i >= restored):
+        path = rollouts / f"{index:06d}.json"
         sampled_by = int(json.loads(path.read_text(encoding="utf-8")).get("policy_version") or 0)
         if sampled_by > version or (skip_bad_batch and index == bad_step - 1):
             moved.append(_quarantine(workdir, path, tag))
-        index += 1
     write_text_atomic(rollouts / "TRAINED", str(restored))
     if workdir.rl_done_file.exists():
         moved.append(_quarantine(workdir, workdir.rl_done_file, tag))

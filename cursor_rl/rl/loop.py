@@ -1,24 +1,42 @@
-"""The RL stage: rollouts and GRPO updates, as two programs bridged by files on disk.
+"""The RL stage: rollouts and GRPO updates, as programs bridged by files on disk.
 
 Roles (``rl.role``):
 
 * ``sampler``: loads the newest published policy, runs a batch of task groups
   through the harness, writes them to ``rl/rollouts/<index>.json`` (tagged with
-  the policy versions that produced them) and moves its cursor on; it runs the
-  held-out evaluations too.
-* ``trainer``: takes the rollout files in order, drops those older than
-  ``max_staleness`` policy versions, takes GRPO steps, publishes each new policy
-  as an Orbax checkpoint (``rl/policy/<version>``) and checkpoints itself with the
-  index of the next rollout file. An RL step is one rollout batch; a batch whose
-  groups all have zero reward variance changes nothing, so the policy version
-  (optimizer updates) can trail the step.
+  the policy versions that produced them and the sampler that wrote them) and
+  moves on to its next index; the lead sampler (id 0) runs the held-out
+  evaluations too.
+* ``trainer``: takes the rollout files in index order, drops those older than
+  ``max_staleness`` policy versions (``stale_batches_dropped`` in its metrics
+  row), takes GRPO steps, publishes each new policy as an Orbax checkpoint
+  (``rl/policy/<version>``) and checkpoints itself with the index of the next
+  rollout file. An RL step is one rollout batch; a batch whose groups all have
+  zero reward variance changes nothing, so the policy version (optimizer updates)
+  can trail the step.
 * ``colocated`` (tests and the tiny pipeline): both in one process, taking turns,
   through the same files and checkpoints.
 
-Either process may crash and restart: the trainer resumes from its checkpoint
-(weights, optimizer, next rollout index), the sampler from the newest policy and
-its cursor file. The trainer writes ``rl/DONE`` when it has taken ``rl.num_steps``
-steps; the sampler stops then.
+Many samplers: start ``rl.num_samplers`` = N sampler processes, each with its own
+``rl.sampler_id`` k in [0, N) (the trainer is told N too, for its logs). The rollout
+indices are dealt round-robin: sampler k writes only indices k, k+N, k+2N, ..., so
+no two samplers ever write the same file, and the trainer takes them in index
+order: one batch from each sampler in turn, the same order on every run and every
+restart. Every batch records its ``sampler`` and ``policy_version``; the trainer's
+metrics row for it does too (with ``rollout_index``, ``episodes`` and
+``staleness``). A sampler stays at most ``max_staleness`` batches ahead of the
+trainer, so N samplers all sample at once when ``max_staleness`` >= N - 1. The
+trainer waits for the next index in order: a dead sampler holds it up until it is
+restarted (by hand or by ``cursor_rl.ops.watch``). With N = 1 (the default) this is
+the single sampler as before.
+
+Any process may crash and restart: the trainer resumes from its checkpoint
+(weights, optimizer, next rollout index), a sampler from the newest policy and its
+own cursor, the first of its indices with no file. A batch is published whole
+(``write_text_atomic``) and never written again: a sampler killed mid-batch samples
+that index afresh (same tasks, same seed), one killed after publishing goes on to
+its next index. The trainer writes ``rl/DONE`` when it has taken ``rl.num_steps``
+steps; the samplers stop then.
 """
 
 from __future__ import annotations
@@ -41,7 +59,7 @@ from cursor_rl import checkpoints, hostmem, partitioning, stages
 from cursor_rl.chat import protocol
 from cursor_rl.chat.episodes import Episode
 from cursor_rl.chat.tokenizer import Tokenizer
-from cursor_rl.env.pool import ToolPool
+from cursor_rl.env import ray_pool
 from cursor_rl.eval import registry as eval_registry
 from cursor_rl.eval import runner as eval_runner
 from cursor_rl.ops import faults, heartbeat
@@ -85,7 +103,22 @@ class RolloutStore:
     def path(self, index: int) -> epath.Path:
         return self.directory / f"{index:06d}.json"
 
-    def write(self, index: int, episodes: Sequence[Episode], info: dict[str, Any]) -> None:
+    def write(
+        self,
+        index: int,
+        episodes: Sequence[Episode],
+        info: dict[str, Any],
+        *,
+        exclusive: bool = False,
+    ) -> None:
+        """Publishes batch ``index``. ``exclusive`` (the sampler role): a batch already
+        published is never written again; finding one is an error (two samplers with
+        the same ``rl.sampler_id``)."""
+        if exclusive and self.exists(index):
+            raise FileExistsError(
+                f"rollout {index} is already published at {self.path(index)}: is another "
+                "sampler running with the same rl.sampler_id?"
+            )
         payload = {"index": index, **info, "episodes": [e.to_json() for e in episodes]}
         write_text_atomic(self.path(index), json.dumps(payload))
 
@@ -97,11 +130,13 @@ class RolloutStore:
     def exists(self, index: int) -> bool:
         return self.path(index).exists()
 
-    def cursor(self) -> int:
-        """The next rollout index the sampler will write."""
-        index = 0
+    def cursor(self, sampler_id: int = 0, num_samplers: int = 1) -> int:
+        """The next rollout index sampler ``sampler_id`` of ``num_samplers`` will write:
+        the first of its indices (``sampler_id`` + a multiple of ``num_samplers``) with
+        no file. With one sampler, the first index with no file."""
+        index = sampler_id
         while self.exists(index):
-            index += 1
+            index += num_samplers
         return index
 
     def trained(self) -> int:
@@ -120,6 +155,19 @@ class RolloutStore:
 
     def mark_done(self) -> None:
         write_text_atomic(self.done_marker, str(time.time()))
+
+
+def owner_of(index: int, num_samplers: int) -> int:
+    """The sampler that writes rollout ``index``."""
+    return index % max(1, num_samplers)
+
+
+def sampler_slot(cfg) -> tuple[int, int]:
+    """(``rl.sampler_id``, ``rl.num_samplers``), checked."""
+    k, n = int(cfg.rl.get("sampler_id", 0)), int(cfg.rl.get("num_samplers", 1))
+    if n < 1 or not 0 <= k < n:
+        raise ValueError(f"rl.sampler_id={k}, rl.num_samplers={n}: need 0 <= sampler_id < N")
+    return k, n
 
 
 # ---- rewards and advantages ----------------------------------------------------------
@@ -228,6 +276,9 @@ def _context(config: ml_collections.ConfigDict, workdir: Workdir) -> _Context:
     cfg = stages.stage_config(config, "rl")
     # Colocated RL is the pipeline's own process: one role, "main", with the stages.
     role = "main" if cfg.rl.role == "colocated" else cfg.rl.role
+    sampler_id, num_samplers = sampler_slot(cfg)
+    if role == "sampler" and num_samplers > 1:
+        role = f"sampler-{sampler_id}"  # one heartbeat per sampler
     beat = heartbeat.for_role(workdir, role, enabled=jax.process_index() == 0)
     beat.progress("rl_setup", 0)
     tokenizer = Tokenizer.load(cfg.tokenizer.path or workdir.tokenizer_file)
@@ -329,7 +380,10 @@ class _SamplerSide:
     def __init__(self, ctx: _Context):
         self.ctx = ctx
         self.sampler = _sampler(ctx)
-        self.pool = ToolPool(num_workers=int(ctx.cfg.rl.tool_workers))
+        rl = ctx.cfg.rl  # rl.tool_backend: the local process pool, or Ray actors
+        self.pool = ray_pool.tool_pool(
+            str(rl.get("tool_backend", "local")), int(rl.tool_workers), rl.get("ray")
+        )
         self.runner = RolloutRunner(
             self.sampler, ctx.chat, self.pool, _rollout_config(ctx.cfg), dataset_dir=ctx.train_dir
         )
@@ -488,6 +542,9 @@ def _train_on(trainer: RLTrainer, ctx: _Context, store: RolloutStore, index: int
         advantages = [float("nan")] * len(advantages)
     staleness = trainer.version - int(info.get("policy_version") or 0)
     row = {**reward_metrics, **rollout_metrics(episodes), "staleness": staleness}
+    # Which batch this was and who sampled it (many samplers: count episodes per sampler).
+    row.update(rollout_index=index, sampler=int(info.get("sampler", 0)), episodes=len(episodes))
+    row["stale_batches_dropped"] = 0
     row.update(feedback_metrics)
     row["rollout_seconds"] = float(info.get("rollout_seconds", 0.0))
     row["sample_rounds"] = int(info.get("sample_rounds", 1))
@@ -516,6 +573,7 @@ def run_rl(config: ml_collections.ConfigDict, workdir: Workdir | str) -> dict[st
     role = config.rl.role
     if role not in ROLES:
         raise ValueError(f"rl.role={role!r}: one of {ROLES}")
+    sampler_slot(config)
     workdir = Workdir.of(workdir)
     ctx = _context(config, workdir)
     writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
@@ -611,9 +669,12 @@ def _run_trainer(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]:
     trainer = _trainer(ctx)
     try:
         trainer.publish()
+        _, num_samplers = sampler_slot(ctx.cfg)
         while trainer.batches_done < int(ctx.cfg.rl.num_steps):
-            while not store.exists(trainer.batches_done):
-                ctx.beat.waiting(f"rollout {trainer.batches_done}")
+            index = trainer.batches_done
+            while not store.exists(index):
+                owner = f" (sampler {owner_of(index, num_samplers)})" if num_samplers > 1 else ""
+                ctx.beat.waiting(f"rollout {index}{owner}")
                 time.sleep(0.5)
             _train_on(trainer, ctx, store, trainer.batches_done, writer)
         store.mark_done()
@@ -623,17 +684,22 @@ def _run_trainer(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]:
 
 
 def _run_sampler(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]:
+    """Sampler ``rl.sampler_id`` of ``rl.num_samplers``: writes its own rollout indices
+    (``sampler_id``, ``sampler_id + N``, ...) from its cursor on; sampler 0 evaluates."""
     start = time.time()
     rl = ctx.cfg.rl
+    sampler_id, num_samplers = sampler_slot(ctx.cfg)
+    lead = sampler_id == 0
     side = _SamplerSide(ctx)
     produced = 0
     try:
         version = side.load_newest(0)
-        if version == 0 and int(rl.eval.every) >= 0:
+        if lead and version == 0 and int(rl.eval.every) >= 0:
             _evaluate_before_rl(ctx, side, writer)
         last_eval = version
+        index = store.cursor(sampler_id, num_samplers)
+        log.info("sampler %d of %d: next rollout %d", sampler_id, num_samplers, index)
         while not store.done:
-            index = store.cursor()
             # Stay at most max_staleness rollout batches ahead of the trainer. (The
             # policy version can trail the batches trained: a batch without signal
             # takes no optimizer step.)
@@ -645,16 +711,19 @@ def _run_sampler(ctx: _Context, store: RolloutStore, writer) -> dict[str, Any]:
             version = side.load_newest(0)
             ctx.beat.progress("rl_rollouts", index)
             episodes, info = side.rollouts(index)
-            store.write(index, episodes, info)
+            info["sampler"] = sampler_id
+            store.write(index, episodes, info, exclusive=True)
             produced += 1
-            ctx.beat.progress("rl_rollouts", index + 1)
+            index += num_samplers
+            ctx.beat.progress("rl_rollouts", index)
             every = int(rl.eval.every)
-            if every > 0 and version - last_eval >= every:
+            if lead and every > 0 and version - last_eval >= every:
                 side.evaluate("rl", version, writer)
                 last_eval = version
-        side.load_newest(0)  # the final policy (published before DONE)
-        if int(rl.eval.every) >= 0:
-            side.evaluate("rl", int(rl.num_steps), writer)
+        if lead:
+            side.load_newest(0)  # the final policy (published before DONE)
+            if int(rl.eval.every) >= 0:
+                side.evaluate("rl", int(rl.num_steps), writer)
     finally:
         side.close()
     return {"rollout_batches": produced, "wall_s": time.time() - start}

@@ -40,7 +40,7 @@ from typing import Any
 
 from cursor_rl.chat import protocol
 from cursor_rl.chat.episodes import Episode
-from cursor_rl.env import grader, harness, tools
+from cursor_rl.env import grader, harness, ray_pool, tools
 from cursor_rl.sampler import SamplingParams
 from cursor_rl.tasks import grading, records
 
@@ -279,13 +279,22 @@ class RolloutRunner:
         live.session = None
 
     def _grade(self, live: _Live) -> Episode:
-        """Leaves the sandbox (syncing the workspace back) and grades it."""
+        """Leaves the sandbox (syncing the workspace back) and grades it: on the pool's
+        workers when the pool grades (the Ray fleet), else here. An episode whose worker
+        was lost, even while leaving the sandbox, is ``lost``, not graded: its workspace
+        may not hold the agent's work, and a zero reward would train on it."""
         ep = live.episode
         try:
             live.tool_ep.close()
+            if live.tool_ep.lost:
+                ep.finish_reason = "lost"
             start = time.time()
             if ep.finish_reason != "lost":
-                ep.grade = grade_summary(grader.grade(live.spec, live.workspace))
+                grade = getattr(self.pool, "grade", grader.grade)
+                try:
+                    ep.grade = grade_summary(grade(live.spec, live.workspace))
+                except ray_pool.WorkerLostError:
+                    ep.finish_reason = "lost"
             ep.seconds["grade"] = time.time() - start
         finally:
             ep.seconds["episode"] = time.time() - live.started
