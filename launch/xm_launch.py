@@ -22,6 +22,13 @@ Executors:
   prints it as JSON, submitting nothing. TPU pods (v4 and later) run on TPU VMs
   instead: ``launch/run_tpu.sh``, XManager's Vertex backend maps only TPU v2/v3.
 
+``--rl_group`` launches the config's RL stage instead, as one experiment whose job group
+is the trainer, ``--rl_num_samplers`` samplers, the episode fleet (Ray head and
+workers), the evaluator and the task builder on one workdir, the accelerators split
+between them by ``--rl_split`` (``launch/rl_group.py``). Locally the group is one work
+unit, a process per job; on Vertex each job is its own custom job (Vertex allows a
+custom job 4 worker pools). ``--dry_run`` prints every job as JSON.
+
 ``--aot_topology=v5p:4x4x4`` first compiles every sweep point's train step for that
 TPU topology on this machine (``launch/presubmit.py`` in ``--aot_python``, which needs
 libtpu) and refuses to launch if one does not fit in HBM.
@@ -44,7 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as a script: make `launch` and `cursor_rl` importable
     sys.path.insert(0, ROOT)
 
-from launch import presubmit, sweep  # noqa: E402
+from launch import presubmit, rl_group, sweep  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:ARG].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Root; each work unit writes ROOT/<its name>.")
@@ -71,6 +78,27 @@ _AOT_PYTHON = flags.DEFINE_string(
     os.path.join(ROOT, ".venv-tpu", "bin", "python"),
     "Interpreter with the tpu extra (libtpu) for --aot_topology.",
 )
+_RL_GROUP = flags.DEFINE_bool(
+    "rl_group", False, "Launch the config's RL stage as one job group (launch/rl_group.py)."
+)
+_RL_SAMPLERS = flags.DEFINE_integer("rl_num_samplers", 2, "rl_group: sampler jobs.")
+_RL_ACCELERATORS = flags.DEFINE_integer(
+    "rl_accelerators", 16, "rl_group: accelerators of the whole group, divided by --rl_split."
+)
+_RL_SPLIT = flags.DEFINE_string(
+    "rl_split", rl_group.DEFAULT_SPLIT, "rl_group: fractions of --rl_accelerators per share."
+)
+_RL_FLEET = flags.DEFINE_enum(
+    "rl_fleet", "ray", list(rl_group.FLEETS), "rl_group: where episodes' tool calls run."
+)
+_RL_FLEET_WORKERS = flags.DEFINE_integer("rl_fleet_workers", 2, "rl_group: Ray worker jobs.")
+_RL_CPUS = flags.DEFINE_integer(
+    "rl_cpus", 16, "rl_group: vCPUs of each CPU-only job (fleet, evaluator, task builder)."
+)
+_RL_RAY_ADDRESS = flags.DEFINE_string(
+    "rl_ray_address", "", "rl_group: an existing Ray head host:port (no head job then)."
+)
+_RL_RAY_PORT = flags.DEFINE_integer("rl_ray_port", 6379, "rl_group: the head job's port.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -105,22 +133,35 @@ _N1_GPUS = frozenset(
 )
 
 
-def _requirements():
+def _requirements(accelerators: int | None = None, cpu: int | None = None):
+    """The flags' machine; ``accelerators`` and ``cpu`` (an RL group's job) replace
+    ``--accelerator_count`` and ``--cpu`` (0 accelerators: a CPU-only job)."""
+    count = _ACCELERATOR_COUNT.value if accelerators is None else accelerators
+    cpu = _CPU.value if cpu is None else cpu
     resources: dict[str, Any] = {}
-    if _ACCELERATOR.value:
-        resources[_ACCELERATOR.value] = _ACCELERATOR_COUNT.value
-    if _CPU.value:
-        resources["cpu"] = _CPU.value
+    if _ACCELERATOR.value and count:
+        resources[_ACCELERATOR.value] = count
+    if cpu:
+        resources["cpu"] = cpu
     if _RAM_GIB.value:
         resources["ram"] = _RAM_GIB.value * xm.GiB
     return xm.JobRequirements(**resources)
 
 
-def vertex_job_spec(title: str, name: str, main_args: list[str]) -> dict[str, Any]:
+def vertex_job_spec(
+    title: str,
+    name: str,
+    main_args: list[str],
+    *,
+    args: list[str] | None = None,
+    requirements: xm.JobRequirements | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """The Vertex custom job XManager would create for one work unit, as plain data.
 
     Built with XManager's own machine-spec mapping and argument escaping (what
-    ``xmanager.cloud.vertex.Client.launch`` does before it submits).
+    ``xmanager.cloud.vertex.Client.launch`` does before it submits). ``args`` (a
+    whole command) replaces ``python -m cursor_rl.main MAIN_ARGS``.
     """
     from google.cloud import aiplatform_v1 as aip_v1
     from xmanager.cloud import vertex
@@ -130,8 +171,9 @@ def vertex_job_spec(title: str, name: str, main_args: list[str]) -> dict[str, An
     executable = executables.GoogleContainerRegistryImage(name="cursor_rl", image_path=_IMAGE.value)
     job = xm.Job(
         executable=executable,
-        executor=xm_local.Vertex(requirements=_requirements()),
-        args=["python", "-m", "cursor_rl.main", *main_args],
+        executor=xm_local.Vertex(requirements=requirements or _requirements()),
+        args=args if args is not None else ["python", "-m", "cursor_rl.main", *main_args],
+        env_vars=env or {},
     )
     machine = vertex.get_machine_spec(job)
     if "accelerator_type" in machine:
@@ -155,6 +197,7 @@ def vertex_job_spec(title: str, name: str, main_args: list[str]) -> dict[str, An
                 "container_spec": {
                     "image_uri": executable.image_path,
                     "args": xm.merge_args(executable.args, job.args).to_list(utils.ARGV_ESCAPER),
+                    "env": [{"name": k, "value": v} for k, v in job.env_vars.items()],
                 },
             }
         ],
@@ -201,25 +244,153 @@ def launch_vertex(title: str, units: list[tuple[str, list[str]]]) -> None:
         print(f"experiment {experiment.experiment_id}: {len(units)} Vertex jobs", flush=True)
 
 
+# ---- the RL job group ------------------------------------------------------------
+
+
+def rl_group_jobs(config_arg: str, workdir: str, base: dict[str, Any]) -> list[rl_group.Job]:
+    """The group's jobs from the flags; refuses what the config or the executor cannot run."""
+    config = _CONFIG.value
+    spec = rl_group.GroupSpec(
+        config_arg=config_arg,
+        workdir=workdir,
+        overrides=base,
+        num_samplers=_RL_SAMPLERS.value,
+        accelerators=_RL_ACCELERATORS.value,
+        split=_RL_SPLIT.value,
+        fleet=_RL_FLEET.value,
+        fleet_workers=_RL_FLEET_WORKERS.value,
+        cpus=_RL_CPUS.value,
+        ray_address=_RL_RAY_ADDRESS.value,
+        ray_port=_RL_RAY_PORT.value,
+        python=_PYTHON.value if _EXECUTOR.value == "local" else "python",
+    )
+    if _EXECUTOR.value == "vertex" and spec.fleet == "ray" and not spec.ray_address:
+        raise app.UsageError(
+            "--rl_fleet=ray on Vertex needs --rl_ray_address: each job is its own custom "
+            "job there, with no address known before it starts (or use --rl_fleet=local)"
+        )
+    try:
+        jobs, _ = rl_group.plan(spec)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
+    missing = rl_group.missing_fields(config, jobs)
+    if missing:  # this config (or checkout) cannot run the group's command lines
+        raise app.UsageError(f"the config has no {', '.join(missing)} (set by the RL group)")
+    staleness = int(config.rl.max_staleness)
+    if staleness < spec.num_samplers - 1:
+        print(
+            f"warning: rl.max_staleness={staleness} lets only {staleness + 1} of the "
+            f"{spec.num_samplers} samplers sample at once (cursor_rl/rl/loop.py)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return jobs
+
+
+def launch_group_local(title: str, jobs: list[rl_group.Job]) -> None:
+    """Runs the group on this machine, one process per job, and waits for all of them."""
+    with xm_local.create_experiment(experiment_title=title) as experiment:
+        [shell] = experiment.package(
+            [
+                xm.binary(
+                    executor_spec=xm_local.Local.Spec(),
+                    path="/bin/sh",
+                    args=[],
+                    env_vars={"PYTHONPATH": ROOT},
+                )
+            ]
+        )
+        group = {
+            job.name: xm.Job(
+                executable=shell,
+                executor=xm_local.Local(),
+                args=["-c", shlex.join(job.argv)],
+                env_vars=dict(job.env),
+            )
+            for job in jobs
+        }
+        experiment.add(xm.JobGroup(**group))
+        print(f"experiment {experiment.experiment_id}: a group of {len(jobs)} jobs", flush=True)
+
+
+def launch_group_vertex(title: str, jobs: list[rl_group.Job]) -> None:
+    """Submits each job of the group as its own Vertex custom job (one work unit each).
+
+    XManager submits a whole ``xm.JobGroup`` as one custom job with a worker pool per
+    job, and Vertex allows 4 pools; the jobs share nothing but the workdir (and the Ray
+    head's address), so separate custom jobs run them just as well.
+    """
+    from xmanager.cloud import vertex
+
+    vertex.set_default_client(vertex.Client(project=_PROJECT.value, location=_REGION.value))
+    with xm_local.create_experiment(experiment_title=title) as experiment:
+        [image] = experiment.package(
+            [xm.container(executor_spec=xm_local.Vertex.Spec(), image_path=_IMAGE.value)]
+        )
+        for job in jobs:
+            requirements = _requirements(job.accelerators, job.cpu)
+            xm_job = xm.Job(
+                executable=image,
+                executor=xm_local.Vertex(requirements=requirements),
+                args=job.argv,
+                env_vars=dict(job.env),
+                name=job.name,
+            )
+            experiment.add(xm.JobGroup(**{job.name: xm_job}))
+        print(f"experiment {experiment.experiment_id}: {len(jobs)} Vertex jobs", flush=True)
+
+
+def run_rl_group(config_arg: str, workdir: str, base: dict[str, Any], title: str) -> None:
+    jobs = rl_group_jobs(config_arg, workdir, base)
+    if _EXECUTOR.value == "vertex":
+        specs = []
+        for job in jobs:
+            requirements = _requirements(job.accelerators, job.cpu)
+            spec = vertex_job_spec(
+                title, job.name, [], args=job.argv, requirements=requirements, env=dict(job.env)
+            )
+            specs.append({"job": job.to_json(), "vertex": spec})
+        if _DRY_RUN.value:
+            print(json.dumps(specs, indent=2))
+        else:
+            launch_group_vertex(title, jobs)
+    elif _DRY_RUN.value:
+        print(json.dumps([{"job": job.to_json()} for job in jobs], indent=2))
+    else:
+        launch_group_local(title, jobs)
+
+
 # ---- main ------------------------------------------------------------------------
+
+
+def _absolute(config_arg: str, workdir: str) -> tuple[str, str]:
+    """Local work units start elsewhere than here: give them absolute paths."""
+    if _EXECUTOR.value != "local":
+        return config_arg, workdir
+    path, arg = sweep.split_config_arg(config_arg)
+    config_arg = os.path.abspath(path) + (f":{arg}" if arg is not None else "")
+    return config_arg, workdir if "://" in workdir else os.path.abspath(workdir)
+
+
+def _title(config_arg: str) -> str:
+    return os.path.splitext(os.path.basename(config_arg.split(":")[0]))[0]
 
 
 def main(argv):
     del argv
     config_arg = config_flags.get_config_filename(flags.FLAGS["config"])
     base = dict(config_flags.get_override_values(flags.FLAGS["config"]))
+    if _RL_GROUP.value:  # the config as given: a sweep's points are not applied
+        config_arg, workdir = _absolute(config_arg, _WORKDIR.value)
+        title = _TITLE.value or _title(config_arg) + "_rl"
+        run_rl_group(config_arg, workdir, base, title)
+        return
     points = sweep.load_sweep(config_arg)
     for point in points:
         sweep.check_overrides(_CONFIG.value, point)
-    if _EXECUTOR.value == "local":
-        # Work units start elsewhere than here: give them absolute paths.
-        path, arg = sweep.split_config_arg(config_arg)
-        config_arg = os.path.abspath(path) + (f":{arg}" if arg is not None else "")
-        workdir = _WORKDIR.value if "://" in _WORKDIR.value else os.path.abspath(_WORKDIR.value)
-    else:
-        workdir = _WORKDIR.value
+    config_arg, workdir = _absolute(config_arg, _WORKDIR.value)
     units = sweep.work_units(config_arg, workdir, base, points)
-    title = _TITLE.value or os.path.splitext(os.path.basename(config_arg.split(":")[0]))[0]
+    title = _TITLE.value or _title(config_arg)
 
     if _AOT_TOPOLOGY.value:
         for _, main_args in units:
