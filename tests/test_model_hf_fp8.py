@@ -22,6 +22,7 @@ What is checked:
 * bad input fails with an error naming the tensor before any read or device array.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -40,6 +41,7 @@ import safetensors.numpy
 from cursor_rl import model, partitioning
 from cursor_rl.model import hf, hf_mapping, hf_stream
 from cursor_rl.model.config import ModelConfig
+from cursor_rl.sampler import Sampler
 from tests.test_model_hf import _inputs, _random_variables, forward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -235,6 +237,33 @@ def test_streamed_shards_equal_the_dequantised_reference(per_expert, mesh, param
     ) == (2, 2, 80, 128)
     _, host = hf.load_hf_checkpoint(fp8, param_dtype=param_dtype)
     _assert_shards_equal(host, expected)
+
+
+def test_the_sampler_streams_an_fp8_checkpoint_into_its_own_shardings(
+    per_expert, mesh, monkeypatch
+):
+    """Sampler.from_hf / load_hf take the streaming path: the weights land in the
+    engine's shardings equal to the dequantised reference (the sampler keeps
+    unscanned layers), with or without a mesh; a checkpoint of another shape is refused
+    before any read."""
+    _, fp8, reference, _ = per_expert
+    _, expected = hf.load_hf_checkpoint(reference, scan_layers=False)
+
+    def no_host_copy(*args, **kwargs):
+        raise AssertionError("the sampler built a host copy (hf.load_hf_checkpoint)")
+
+    monkeypatch.setattr(hf, "load_hf_checkpoint", no_host_copy)
+    for sampler_mesh in (mesh, None):
+        sampler = Sampler.from_hf(fp8, mesh=sampler_mesh, num_slots=4, page_size=8, max_seq_len=32)
+        assert sampler.policy_version == 0
+        _assert_shards_equal(sampler.engine.variables, expected)
+    streamed = []
+    monkeypatch.setattr(hf_stream, "load_hf_checkpoint_sharded", lambda *a, **k: streamed.append(a))
+    wider = dataclasses.replace(FP8_CONFIG, vocab_size=128)
+    other = Sampler(wider, mesh=mesh, num_slots=4, page_size=8, max_seq_len=32)
+    with pytest.raises(ValueError, match="does not fit the sampler's model"):
+        other.load_hf(fp8)
+    assert streamed == []
 
 
 def test_fused_unscanned_fp8_streams_exactly(tmp_path, mesh):

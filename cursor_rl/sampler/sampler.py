@@ -42,7 +42,7 @@ import jax
 
 from cursor_rl import checkpoints, partitioning
 from cursor_rl.chat.tokenizer import Tokenizer
-from cursor_rl.model import hf
+from cursor_rl.model import hf, hf_stream
 from cursor_rl.model.config import ModelConfig
 from cursor_rl.sampler import weights
 from cursor_rl.sampler.engine import Engine
@@ -144,11 +144,12 @@ class Sampler:
 
     @classmethod
     def from_hf(cls, path: str, **kwargs) -> Sampler:
-        """A sampler for a Hugging Face DeepSeek-V3 / Kimi-K2 directory (version 0)."""
-        config, variables = hf.load_hf_checkpoint(
-            path, scan_layers=kwargs.get("scan_layers", False)
-        )
-        return cls(config, variables, **kwargs)
+        """A sampler for a Hugging Face DeepSeek-V3 / Kimi-K2 directory (version 0),
+        its weights streamed into the sampler's shardings (``load_hf``)."""
+        plan = hf.plan_hf_import(path, scan_layers=kwargs.get("scan_layers", False))
+        sampler = cls(plan.config, **kwargs)
+        sampler.load_hf(path, version=0)
+        return sampler
 
     # ---- weights ----------------------------------------------------------------
 
@@ -194,9 +195,20 @@ class Sampler:
         return self.policy_version
 
     def load_hf(self, path: str, version: int | None = None) -> int:
-        """Loads weights from a Hugging Face directory through the model's converter."""
-        config, variables = hf.load_hf_checkpoint(path, scan_layers=self.config.scan_layers)
-        weights.check_compatible(config, self.config, path)
+        """Loads weights from a Hugging Face directory (bf16/fp32 or block-fp8), each
+        shard of each array read straight into the sampler's shardings
+        (``hf_stream.load_hf_checkpoint_sharded``): no host copy of the model, and each
+        process reads only its own shards' slices. The checkpoint's shapes are checked
+        against the sampler's model (from the headers) before any read."""
+        overrides = {"scan_layers": self.config.scan_layers, "param_dtype": self.config.param_dtype}
+        plan = hf.plan_hf_import(path, **overrides)
+        weights.check_compatible(plan.config, self.config, path)
+        mesh = self.engine.mesh
+        if mesh is None:  # the engine's single default device, as a one-device mesh
+            mesh = partitioning.make_mesh(devices=jax.devices()[:1])
+        _, variables = hf_stream.load_hf_checkpoint_sharded(
+            path, mesh, self.engine.rules, **overrides
+        )
         self.set_params(variables, version)
         return self.policy_version
 

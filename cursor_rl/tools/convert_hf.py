@@ -11,11 +11,13 @@
 The Orbax side is ``cursor_rl.checkpoints``' layout (``save_variables`` /
 ``restore_variables``). Its metadata holds the model config, the layer layout,
 the source ``config.json`` (whose token ids go back into an export) and, when the
-HF directory has one, the text of ``tokenizer.json``. Both directions hold one
-host copy of the model plus one tensor (import) or one shard (export).
+HF directory has one, the text of ``tokenizer.json``. The import streams
+(``hf_stream.load_hf_checkpoint_sharded``): every array is built shard by shard over
+the local devices (an ``fsdp`` mesh of all of them), each shard read from only the
+slices of the HF tensors it holds, so no host copy of the model exists; run it on a
+TPU VM and the shards sit in HBM. The export holds one host copy plus one shard.
 Block-fp8 checkpoints (the DeepSeek-V3 / Kimi-K2 release layout) are dequantised on
-import (``hf.load_hf_checkpoint``; ``hf_stream.load_hf_checkpoint_sharded`` places them
-shard by shard without the host copy); other quantisations (int4, ...) are refused.
+import; other quantisations (int4, ...) are refused.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import flax.linen as nn
 import jax
 from absl import app, flags
 
-from cursor_rl import checkpoints, model
-from cursor_rl.model import hf, hf_mapping
+from cursor_rl import checkpoints, model, partitioning
+from cursor_rl.model import hf, hf_mapping, hf_stream
 from cursor_rl.model.config import ModelConfig
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -51,7 +53,10 @@ def hf_to_orbax(hf_dir: str, orbax_dir: str, *, drop_mtp: bool = False, **overri
     Returns:
       The checkpoint's step directory.
     """
-    config, variables = hf.load_hf_checkpoint(hf_dir, drop_mtp=drop_mtp, **overrides)
+    mesh = partitioning.make_mesh({"fsdp": -1})
+    config, variables = hf_stream.load_hf_checkpoint_sharded(
+        hf_dir, mesh, drop_mtp=drop_mtp, **overrides
+    )
     with open(os.path.join(hf_dir, hf.CONFIG_FILE)) as f:
         hf_config = json.load(f)
     tokenizer_json = None
