@@ -57,6 +57,17 @@ def _pack(sequences: list[dict[str, np.ndarray]], seq_len: int, rows_multiple: i
     return rows, num_rows
 
 
+def microbatch_count(microbatches: int, microbatch_rows: int, rows: int) -> int:
+    """Microbatches for an update of ``rows`` rows: ``rl.microbatches``, or more so that
+    none exceeds ``rl.microbatch_rows`` (0: no bound); the count always divides ``rows``."""
+    count = microbatches
+    if microbatch_rows:
+        count = max(count, -(-rows // microbatch_rows))
+        while rows % count:
+            count += 1
+    return count
+
+
 def _feedback_uids(mask: Sequence[int], start: int, window: int, first_uid: int) -> np.ndarray:
     """-1, except a fresh id on each of the first ``window`` model tokens from ``start``."""
     uids = np.full(len(mask), -1, np.int64)
@@ -283,14 +294,7 @@ class RLTrainer:
             )
 
     def microbatches(self, rows: int) -> int:
-        """Microbatches for an update of ``rows`` rows: ``rl.microbatches``, or more so
-        that none exceeds ``rl.microbatch_rows`` (the count always divides ``rows``)."""
-        count = int(self.cfg.rl.microbatches)
-        if self.microbatch_rows:
-            count = max(count, -(-rows // self.microbatch_rows))
-            while rows % count:
-                count += 1
-        return count
+        return microbatch_count(int(self.cfg.rl.microbatches), self.microbatch_rows, rows)
 
     def _update(self, state, batch):
         count = self.microbatches(int(batch["tokens"].shape[0]))
