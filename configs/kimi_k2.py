@@ -67,7 +67,7 @@ MODEL = ModelConfig(
 
 
 def get_config(arg=None):
-    arg = config_lib.parse_arg(arg, stage="pretrain")
+    arg = config_lib.parse_arg(arg, stage="pretrain", long_context=0)
     c = config_lib.base_config()
     c.stage = arg.stage
     c.model = config_lib.model_section(MODEL)
@@ -90,4 +90,21 @@ def get_config(arg=None):
     c.optimizer.warmup_steps = 500
     c.checkpoint.every_steps = 500
     c.checkpoint.keep_every = 5000
+
+    # `configs/kimi_k2.py:long_context=131072`: the long-context stage at that length
+    # (Kimi K2's YaRN factor 64 over 4,096 reaches 262,144; by default the stage keeps the
+    # pretraining shapes). The sequence goes over a 16-way context axis (ring attention,
+    # causally load-balanced, model/context_parallel.py) and the experts over 32, so each
+    # chip holds 8,192 tokens as in pretraining, the same 4.2M tokens a step; parameters
+    # shard over context x expert. It does not fit v5p-512 yet (docs/scale.md: 128 GiB a
+    # chip, mostly the ring's per-head score and mask buffers).
+    if arg.long_context:
+        lc = c.stage_overrides.long_context
+        lc.mesh = dict(
+            ici=dict(data=1, fsdp=1, context=16, expert=32, tensor=1),
+            rules_preset="long_context",
+            rules=dict(q_lora=("fsdp", "context", "expert"), kv_lora=("fsdp", "context", "expert")),
+        )
+        lc.train = dict(seq_len=int(arg.long_context), batch_size=32, microbatches=1)
+        lc.model = dict(attention_chunk_size=256)
     return c

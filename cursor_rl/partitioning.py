@@ -72,14 +72,27 @@ DEFAULT_RULES: LogicalRules = (
     ("cache_latent", None),
 )
 
+
+def _with_context(axes: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """``axes`` with ``context`` added after ``fsdp`` (parameter sharding over context)."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    at = axes.index("fsdp") + 1 if "fsdp" in axes else 0
+    return (*axes[:at], "context", *axes[at:])
+
+
 # Named presets, so configs can say ``mesh.rules_preset = "..."``.
 _PRESETS: dict[str, LogicalRules] = {
     "default": DEFAULT_RULES,
     # Dense weights over fsdp only (the layout before expert-axis FSDP; small meshes).
     "fsdp_only": tuple(r for r in DEFAULT_RULES if r != ("embed", ("fsdp", "expert"))),
-    # Long context: split the sequence of activations over the context axis.
+    # Long context: split the sequence of activations over the context axis, and the
+    # parameters over it too (FSDP over context as well: the context devices would
+    # otherwise each hold what their fsdp/expert peers hold).
     "long_context": tuple(
-        (name, "context") if name == "act_length" else (name, axes) for name, axes in DEFAULT_RULES
+        (name, "context")
+        if name == "act_length"
+        else (name, _with_context(axes) if name == "embed" else axes)
+        for name, axes in DEFAULT_RULES
     ),
 }
 

@@ -9,6 +9,7 @@ import pytest
 
 from cursor_rl import model, partitioning
 from cursor_rl.model import context_parallel as cp
+from cursor_rl.model import moe
 from cursor_rl.model.config import ModelConfig
 from cursor_rl.model.layers import _attention
 from tests.train_helpers import MICRO_MODEL
@@ -170,6 +171,27 @@ def test_model_with_context_axis_2_equals_the_unsharded_model():
         sharded = jax.jit(forward)
         assert "collective_permute" in sharded.lower(variables, tokens, segments).as_text()
         logits = sharded(variables, tokens, segments)
+    _assert_close(logits, reference, "logits")
+
+
+def test_moe_dispatch_splits_tokens_over_the_context_axis_too():
+    """With experts on their own axis and the sequence over ``context``, each device
+    dispatches only its own (batch, sequence) share of the tokens (the batch axes, then
+    context), and the model still gives the unsharded model's logits."""
+    mesh = partitioning.make_mesh({"context": 2, "expert": 2, "fsdp": 2})
+    with partitioning.use_mesh(mesh, partitioning.rules_preset("long_context")):
+        assert moe.dispatch_token_axes(mesh) == ("fsdp", "expert", "context")
+    with partitioning.use_mesh(mesh):
+        assert moe.dispatch_token_axes(mesh) == ("fsdp", "expert")
+    variables = model.init(MODEL, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(2), (4, 16), 0, MODEL.vocab_size)
+
+    def forward(v, t):
+        return model.forward(MODEL, v, t)
+
+    reference = jax.jit(forward)(variables, tokens)
+    with partitioning.use_mesh(mesh, partitioning.rules_preset("long_context")):
+        logits = jax.jit(forward)(variables, tokens)
     _assert_close(logits, reference, "logits")
 
 

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from cursor_rl import model, partitioning
 from cursor_rl.model.config import ModelConfig
@@ -116,7 +117,14 @@ def test_rule_overrides_and_presets():
     rules = partitioning.make_rules("default", {"embed": None, "mlp": ["tensor"]})
     assert [axes for name, axes in rules if name == "embed"] == [None]  # replaces both
     assert dict(rules)["mlp"] == ("tensor",)
-    assert dict(partitioning.rules_preset("long_context"))["act_length"] == "context"
+    long_context = partitioning.rules_preset("long_context")
+    assert dict(long_context)["act_length"] == "context"
+    # Parameters are sharded over context too: a dense weight over fsdp x context x
+    # expert, a routed expert's embed dim (its expert dim takes `expert`) over the rest.
+    spec = partitioning.logical_to_spec(("embed", "mlp"), long_context)
+    assert spec == P(("fsdp", "context", "expert"), "tensor")
+    spec = partitioning.logical_to_spec(("expert", "embed", "mlp"), long_context)
+    assert spec == P("expert", ("fsdp", "context"), "tensor")
     with pytest.raises(ValueError, match="unknown logical axis"):
         partitioning.make_rules("default", {"embedd": None})
     with pytest.raises(ValueError, match="rules_preset"):
@@ -154,7 +162,6 @@ def test_linear_keeps_a_sharded_sequence_in_place():
     import re
 
     from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from cursor_rl.model.layers import linear
 

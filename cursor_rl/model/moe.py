@@ -303,6 +303,16 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
+def dispatch_token_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes the flattened tokens [B*T] are split over for dispatch: the batch
+    axes, then (under context parallelism) the sequence's. Tokens flatten from [B over
+    the batch axes, T over the length axes], so each device dispatches only its own
+    (batch, sequence) share instead of gathering the whole sequence first."""
+    token_axes = partitioning.split_axes(mesh, "act_batch", partitioning.BATCH_AXES)
+    length_axes = partitioning.split_axes(mesh, "act_length")
+    return (*token_axes, *(a for a in length_axes if a not in token_axes))
+
+
 def routed_experts(
     config: ModelConfig, x: Array, topk_idx: Array, topk_weight: Array, wg, wu, wd
 ) -> tuple[Array, Array]:
@@ -318,7 +328,7 @@ def routed_experts(
             x, topk_idx, topk_weight, wg, wu, wd,
             expert_axis=None, expert_shards=1, tensor_axis=None, **kwargs,
         )  # fmt: skip
-    token_axes = partitioning.split_axes(mesh, "act_batch", partitioning.BATCH_AXES)
+    token_axes = dispatch_token_axes(mesh)
     expert_axes = partitioning.split_axes(mesh, "expert")
     mlp_axes = partitioning.split_axes(mesh, "mlp")
     if len(expert_axes) > 1 or len(mlp_axes) > 1:
