@@ -63,9 +63,10 @@ def _main(argv):
 
 
 if __name__ == "__main__":
-    # The AOT tool defines --config (with --config.x=y overrides), --topology and --stage;
-    # defining them again here would clash, so this program reuses them.
-    from cursor_rl.tools import aot_compile  # noqa: F401
+    # The AOT tool's flags: --config (with --config.x=y overrides), --topology, --stage.
+    from cursor_rl.tools import aot_compile
+
+    aot_compile.define_flags()
 
     flags.DEFINE_string("workdir", None, "Ignored (accepted so job flags pass through).")
     flags.mark_flags_as_required(["config", "topology"])

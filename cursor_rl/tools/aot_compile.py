@@ -40,6 +40,7 @@ import os
 import re
 import sys
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -953,77 +954,96 @@ def compile_programs(
     return reports
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
-_TOPOLOGY = flags.DEFINE_string(
-    "topology", None, "Trainer programs' TPU topology, e.g. v5p:8x8x4, or cpu."
-)
-_STAGE = flags.DEFINE_string(
-    "stage", None, "Stage whose settings the train step uses (default: config)."
-)
-_PROGRAM = flags.DEFINE_string(
-    "program", "train", f"Comma-separated programs out of {PROGRAMS}, or all."
-)
-_SAMPLER_TOPOLOGY = flags.DEFINE_string(
-    "sampler_topology", None, "The sampler's TPU topology, or cpu (default: --topology)."
-)
-_SAMPLER_MESH = flags.DEFINE_string(
-    "sampler_mesh",
-    "",
-    "Sampler mesh axis sizes, e.g. expert=-1 (default: rl.sampler.mesh, else fsdp=-1).",
-)
-_SAMPLER_SLOTS = flags.DEFINE_integer("sampler_slots", 0, "Decode slots (0: rl.sampler).")
-_SAMPLER_CONTEXT = flags.DEFINE_integer(
-    "sampler_context", 0, "Longest sequence in tokens (0: rl.sampler.max_seq_len)."
-)
-_SAMPLER_CACHE_SEQUENCES = flags.DEFINE_integer(
-    "sampler_cache_sequences", 0, "Full-context sequences the KV cache holds (0: 2 x slots)."
-)
-_SAMPLER_PREFILL_ROWS = flags.DEFINE_integer(
-    "sampler_prefill_rows", 0, "Rows of the prefill program (0: from rl.sampler.prefill_tokens)."
-)
-_SAMPLER_PARAM_DTYPE = flags.DEFINE_string(
-    "sampler_param_dtype", "", "The sampler's weight dtype, e.g. bfloat16 (default: model's)."
-)
-_SAMPLER_SCAN = flags.DEFINE_bool(
-    "sampler_scan_layers", False, "Sampler weights stacked over layers (the RL loop: unstacked)."
-)
-_GRPO_ROWS = flags.DEFINE_integer(
-    "grpo_rows", 0, "Rows per GRPO update (0: one per episode of a rollout batch)."
-)
-_GRPO_FEEDBACK = flags.DEFINE_bool(
-    "grpo_feedback", False, "Compile the GRPO update with textual-feedback teacher rows."
-)
-_GRPO_TEACHER_ROWS = flags.DEFINE_integer(
-    "grpo_teacher_rows", 0, "Teacher rows with --grpo_feedback (0: the packer's least)."
-)
-_HBM_GIB = flags.DEFINE_float(
-    "hbm_gib", 0.0, "Check against this many GiB per chip (0: the chip's HBM; none on cpu)."
-)
+def define_flags() -> types.SimpleNamespace:
+    """Defines the command's flags in absl's global ``FLAGS`` and returns their holders.
+
+    Only the command itself and ``launch/presubmit.py`` call it: importing this module
+    defines no flags, so it can share a process with other commands' modules (the eval
+    transcripts' ``--stage``, the main CLI's ``--config``) without a clash.
+    """
+    return types.SimpleNamespace(
+        config=config_flags.DEFINE_config_file("config", None, "Experiment config file."),
+        topology=flags.DEFINE_string(
+            "topology", None, "Trainer programs' TPU topology, e.g. v5p:8x8x4, or cpu."
+        ),
+        stage=flags.DEFINE_string(
+            "stage", None, "Stage whose settings the train step uses (default: config)."
+        ),
+        program=flags.DEFINE_string(
+            "program", "train", f"Comma-separated programs out of {PROGRAMS}, or all."
+        ),
+        sampler_topology=flags.DEFINE_string(
+            "sampler_topology", None, "The sampler's TPU topology, or cpu (default: --topology)."
+        ),
+        sampler_mesh=flags.DEFINE_string(
+            "sampler_mesh",
+            "",
+            "Sampler mesh axis sizes, e.g. expert=-1 (default: rl.sampler.mesh, else fsdp=-1).",
+        ),
+        sampler_slots=flags.DEFINE_integer("sampler_slots", 0, "Decode slots (0: rl.sampler)."),
+        sampler_context=flags.DEFINE_integer(
+            "sampler_context", 0, "Longest sequence in tokens (0: rl.sampler.max_seq_len)."
+        ),
+        sampler_cache_sequences=flags.DEFINE_integer(
+            "sampler_cache_sequences",
+            0,
+            "Full-context sequences the KV cache holds (0: 2 x slots).",
+        ),
+        sampler_prefill_rows=flags.DEFINE_integer(
+            "sampler_prefill_rows",
+            0,
+            "Rows of the prefill program (0: from rl.sampler.prefill_tokens).",
+        ),
+        sampler_param_dtype=flags.DEFINE_string(
+            "sampler_param_dtype",
+            "",
+            "The sampler's weight dtype, e.g. bfloat16 (default: model's).",
+        ),
+        sampler_scan_layers=flags.DEFINE_bool(
+            "sampler_scan_layers",
+            False,
+            "Sampler weights stacked over layers (the RL loop: unstacked).",
+        ),
+        grpo_rows=flags.DEFINE_integer(
+            "grpo_rows", 0, "Rows per GRPO update (0: one per episode of a rollout batch)."
+        ),
+        grpo_feedback=flags.DEFINE_bool(
+            "grpo_feedback", False, "Compile the GRPO update with textual-feedback teacher rows."
+        ),
+        grpo_teacher_rows=flags.DEFINE_integer(
+            "grpo_teacher_rows", 0, "Teacher rows with --grpo_feedback (0: the packer's least)."
+        ),
+        hbm_gib=flags.DEFINE_float(
+            "hbm_gib",
+            0.0,
+            "Check against this many GiB per chip (0: the chip's HBM; none on cpu).",
+        ),
+    )
 
 
-def main(argv):
+def main(argv, f: types.SimpleNamespace):
     del argv
     reports = compile_programs(
-        _CONFIG.value,
-        parse_programs(_PROGRAM.value),
-        topology=_TOPOLOGY.value,
-        sampler_topology=_SAMPLER_TOPOLOGY.value,
-        stage=_STAGE.value,
+        f.config.value,
+        parse_programs(f.program.value),
+        topology=f.topology.value,
+        sampler_topology=f.sampler_topology.value,
+        stage=f.stage.value,
         grpo=dict(
-            rows=_GRPO_ROWS.value,
-            with_feedback=_GRPO_FEEDBACK.value,
-            teacher_rows=_GRPO_TEACHER_ROWS.value,
+            rows=f.grpo_rows.value,
+            with_feedback=f.grpo_feedback.value,
+            teacher_rows=f.grpo_teacher_rows.value,
         ),
         sampler=dict(
-            mesh_shape=parse_mesh(_SAMPLER_MESH.value) or None,
-            num_slots=_SAMPLER_SLOTS.value,
-            context=_SAMPLER_CONTEXT.value,
-            cache_sequences=_SAMPLER_CACHE_SEQUENCES.value,
-            prefill_rows=_SAMPLER_PREFILL_ROWS.value,
-            param_dtype=_SAMPLER_PARAM_DTYPE.value,
-            scan_layers=_SAMPLER_SCAN.value,
+            mesh_shape=parse_mesh(f.sampler_mesh.value) or None,
+            num_slots=f.sampler_slots.value,
+            context=f.sampler_context.value,
+            cache_sequences=f.sampler_cache_sequences.value,
+            prefill_rows=f.sampler_prefill_rows.value,
+            param_dtype=f.sampler_param_dtype.value,
+            scan_layers=f.sampler_scan_layers.value,
         ),
-        hbm=int(_HBM_GIB.value * GiB) or None,
+        hbm=int(f.hbm_gib.value * GiB) or None,
         emit=lambda text: print(text, flush=True),
     )
     failed = [r.program for r in reports if not r.fits]
@@ -1033,5 +1053,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _flags = define_flags()
     flags.mark_flags_as_required(["config", "topology"])
-    app.run(main)
+    app.run(functools.partial(main, f=_flags))
