@@ -141,7 +141,7 @@ def test_tpu_run_compiles_first_then_starts_the_same_command_on_every_worker(tmp
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    assert "train (pretrain) on cpu: 8 x cpu" in out and "fits" in out
+    assert "train (pretrain) on cpu: 8 x cpu" in out and "no HBM limit known" in out
     ssh = out.strip().splitlines()[-1]
     assert ssh.startswith("gcloud compute tpus tpu-vm ssh pod ")
     assert "--worker=all" in ssh and "launch/run_tpu.sh\\ worker" in ssh
