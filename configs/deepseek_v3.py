@@ -53,27 +53,18 @@ MODEL = kimi_k2.MODEL.replace(
 
 def get_config(arg=None):
     arg = config_lib.parse_arg(arg, stage="pretrain")
-    c = config_lib.base_config()
-    c.stage = arg.stage
+    # Kimi K2's pod layout, batch and checkpointing (experts over a 64-way axis, 256 =
+    # 64 x 4; parameters, optimizer state and the MLA latents over fsdp x expert), with
+    # this model and DeepSeek-V3's optimizer.
+    c = kimi_k2.get_config(f"stage={arg.stage}")
     c.model = config_lib.model_section(MODEL)
     c.tokenizer.vocab_size = MODEL.vocab_size
-    # Experts over a 64-way axis (256 = 64 x 4), parameters/optimizer state over fsdp
-    # and expert together (as configs/kimi_k2.py; the MLA latent dimensions too, so the
-    # up-projections are not a full copy per chip).
-    c.mesh.ici = dict(data=1, fsdp=-1, context=1, expert=64, tensor=1)
-    c.mesh.rules = dict(q_lora=("fsdp", "expert"), kv_lora=("fsdp", "expert"))
-    c.train.batch_size = 1024
-    c.train.seq_len = 4096
-    c.train.loss_chunk_size = 512  # a 129280-wide vocabulary: project in chunks
-    c.train.num_steps = 100_000
-    # AdamW with DeepSeek-V3's betas and weight decay (its paper, sec. 4.2).
+    # AdamW with DeepSeek-V3's betas and weight decay (its paper, sec. 4.2), no QK-clip.
     c.optimizer.name = "adamw"
+    c.optimizer.qk_clip_tau = 0.0
     c.optimizer.b1 = 0.9
     c.optimizer.b2 = 0.95
     c.optimizer.weight_decay = 0.1
-    c.optimizer.schedule = "wsd"
     c.optimizer.learning_rate = 2.2e-4
     c.optimizer.warmup_steps = 2000
-    c.checkpoint.every_steps = 500
-    c.checkpoint.keep_every = 5000
     return c
