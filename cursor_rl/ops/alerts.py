@@ -15,7 +15,9 @@ Choices:
    returns; one background thread posts with a timeout. A full queue drops the
    message (counted), a failed or slow post is counted and given up after
    ``retries``; every alert, sent or not, is first recorded in the event log
-   (``record``), so nothing is only in flight.
+   (``record``), so nothing is only in flight. Delivery is at least once: a post
+   that times out after the server read it is retried and may arrive twice, which
+   we prefer to an alert lost to a slow receiver.
 3. **Deduplicated and rate-limited**: one alert per ``key`` (a fault is announced
    once however often it is seen), at most ``max_per_hour`` in all; the rest are
    recorded as suppressed.
