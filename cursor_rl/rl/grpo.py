@@ -52,6 +52,7 @@ is the trainer's (``cursor_rl.train.step``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -374,3 +375,39 @@ def grpo_step(
     metrics.update({"policy_loss": loss, "learning_rate": schedule(state.step)})
     metrics.update(feedback_metrics)
     return new_state, metrics
+
+
+def jit_grpo_step(
+    model_config: ModelConfig,
+    grpo: GRPOConfig,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    state_sharding: Any,
+    batch_shardings: Any,
+    *,
+    microbatches: int,
+    loss_chunk: int,
+    temperature: float,
+    feedback: Any,
+):
+    """``grpo_step`` jitted as the RL trainer runs it (the state donated); ``feedback``
+    is the ``rl.feedback`` settings (``coef``, ``clip``, ``objective``). The AOT tool
+    compiles this same function."""
+    return jax.jit(
+        functools.partial(
+            grpo_step,
+            config=model_config,
+            grpo=grpo,
+            tx=tx,
+            schedule=schedule,
+            microbatches=microbatches,
+            loss_chunk=loss_chunk,
+            temperature=temperature,
+            feedback_coef=feedback.coef,
+            feedback_clip=feedback.clip,
+            feedback_objective=feedback.objective,
+        ),
+        in_shardings=(state_sharding, batch_shardings),
+        out_shardings=(state_sharding, None),
+        donate_argnums=(0,),
+    )

@@ -303,23 +303,17 @@ class RLTrainer:
         if key not in self._updates:
             keys = grpo.RL_BATCH_KEYS + (grpo.FEEDBACK_KEYS if with_feedback else ())
             batch_sh = {k: self.batch_sharding for k in keys}
-            self._updates[key] = jax.jit(
-                functools.partial(
-                    grpo.grpo_step,
-                    config=self.model_config,
-                    grpo=self.grpo,
-                    tx=self.tx,
-                    schedule=self.schedule,
-                    microbatches=count,
-                    loss_chunk=int(self.cfg.train.loss_chunk_size),
-                    temperature=self.temperature,
-                    feedback_coef=self.feedback.coef,
-                    feedback_clip=self.feedback.clip,
-                    feedback_objective=self.feedback.objective,
-                ),
-                in_shardings=(self.shardings, batch_sh),
-                out_shardings=(self.shardings, None),
-                donate_argnums=(0,),
+            self._updates[key] = grpo.jit_grpo_step(
+                self.model_config,
+                self.grpo,
+                self.tx,
+                self.schedule,
+                self.shardings,
+                batch_sh,
+                microbatches=count,
+                loss_chunk=int(self.cfg.train.loss_chunk_size),
+                temperature=self.temperature,
+                feedback=self.feedback,
             )
         return self._updates[key](state, batch)
 

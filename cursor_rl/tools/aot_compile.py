@@ -551,20 +551,8 @@ def compile_train_step(
         )
         for key in step_lib.BATCH_KEYS
     }
-    fn = jax.jit(
-        functools.partial(
-            step_lib.train_step,
-            config=model_config,
-            tx=tx,
-            schedule=optim.make_schedule(cfg.optimizer, num_steps),
-            microbatches=int(cfg.train.microbatches),
-            z_loss=float(cfg.train.z_loss),
-            loss_chunk=int(cfg.train.loss_chunk_size),
-        ),
-        in_shardings=(state_sh, batch_sharding),
-        out_shardings=(state_sh, None),
-        donate_argnums=(0,),
-    )
+    schedule = optim.make_schedule(cfg.optimizer, num_steps)
+    fn = step_lib.jit_train_step(cfg.train, model_config, tx, schedule, state_sh, batch_sharding)
     tokens = int(cfg.train.batch_size * cfg.train.seq_len)
     report = AotReport(
         **_device_fields(topology, devices, hbm),
@@ -678,23 +666,17 @@ def compile_grpo_step(
         teacher["feedback_index"] = array((rows, seq_len), "int32")
         batch.update(teacher)
         inputs["feedback teacher rows"] = per_device_bytes(teacher)
-    fn = jax.jit(
-        functools.partial(
-            grpo_lib.grpo_step,
-            config=model_config,
-            grpo=grpo_config,
-            tx=tx,
-            schedule=optim.make_schedule(cfg.optimizer, updates),
-            microbatches=microbatches,
-            loss_chunk=int(cfg.train.loss_chunk_size),
-            temperature=float(rl.rollout.temperature),
-            feedback_coef=fb.coef,
-            feedback_clip=fb.clip,
-            feedback_objective=fb.objective,
-        ),
-        in_shardings=(state_sh, {k: batch_sharding for k in batch}),
-        out_shardings=(state_sh, None),
-        donate_argnums=(0,),
+    fn = grpo_lib.jit_grpo_step(
+        model_config,
+        grpo_config,
+        tx,
+        optim.make_schedule(cfg.optimizer, updates),
+        state_sh,
+        {k: batch_sharding for k in batch},
+        microbatches=microbatches,
+        loss_chunk=int(cfg.train.loss_chunk_size),
+        temperature=float(rl.rollout.temperature),
+        feedback=fb,
     )
     tokens = rows * seq_len
     name = f"grpo ({rows} rows x {seq_len}, {microbatches} microbatches"

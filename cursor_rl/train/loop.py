@@ -323,19 +323,8 @@ def run_stage(config: ml_collections.ConfigDict, stage: str, workdir: Workdir | 
             )
 
         put = _BatchPutter(cfg, mesh, rules)
-        train_fn = jax.jit(
-            functools.partial(
-                step_lib.train_step,
-                config=model_config,
-                tx=tx,
-                schedule=schedule,
-                microbatches=int(cfg.train.microbatches),
-                z_loss=float(cfg.train.z_loss),
-                loss_chunk=int(cfg.train.loss_chunk_size),
-            ),
-            in_shardings=(state_sh, put.sharding),
-            out_shardings=(state_sh, None),
-            donate_argnums=(0,),
+        train_fn = step_lib.jit_train_step(
+            cfg.train, model_config, tx, schedule, state_sh, put.sharding
         )
         eval_fn = jax.jit(
             functools.partial(step_lib.eval_step, config=model_config),

@@ -20,6 +20,7 @@ Choices:
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -353,6 +354,34 @@ def train_step(
         }
     )
     return new_state, metrics
+
+
+def jit_train_step(
+    train_config: Any,
+    model_config: ModelConfig,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    state_sharding: Any,
+    batch_sharding: Any,
+):
+    """``train_step`` jitted as the training loop runs it: the state donated, the
+    batch split as ``batch_sharding`` says, microbatches, z-loss and the vocabulary
+    chunk from ``train_config`` (a stage's ``train`` block). The AOT tool compiles this
+    same function, so what it measures is what the loop runs."""
+    return jax.jit(
+        functools.partial(
+            train_step,
+            config=model_config,
+            tx=tx,
+            schedule=schedule,
+            microbatches=int(train_config.microbatches),
+            z_loss=float(train_config.z_loss),
+            loss_chunk=int(train_config.loss_chunk_size),
+        ),
+        in_shardings=(state_sharding, batch_sharding),
+        out_shardings=(state_sharding, None),
+        donate_argnums=(0,),
+    )
 
 
 def load_metrics(load: jax.Array) -> dict[str, jax.Array]:
