@@ -224,6 +224,7 @@ def _dispatch_local(
     tensor_axis: str | None,
     capacity_factor: float = 0.0,
     token_axes: tuple[str, ...] = (),
+    gather_axes: tuple[str, ...] = (),
 ) -> tuple[Array, Array]:
     """Routed-expert output for this device's tokens x [N, D], and assignments dropped.
 
@@ -231,7 +232,14 @@ def _dispatch_local(
     tensor parallelism, its slice of the expert hidden size; partial sums over
     that slice are reduced over ``tensor_axis`` at the end. The dropped count is
     summed over ``token_axes`` (0 unless ``capacity_factor`` bounds the buffers).
+    Under FSDP the weights arrive split over ``gather_axes`` along the model
+    dimension and are gathered here, so the gradient leaves reduce-scattered.
     """
+    if gather_axes:
+        with jax.named_scope("gather_weights"):
+            wg = jax.lax.all_gather(wg, gather_axes, axis=1, tiled=True)
+            wu = jax.lax.all_gather(wu, gather_axes, axis=1, tiled=True)
+            wd = jax.lax.all_gather(wd, gather_axes, axis=2, tiled=True)
     dropped = jnp.zeros((), jnp.float32)
     n, k = topk_idx.shape
     num_assign = n * k
@@ -313,6 +321,15 @@ def dispatch_token_axes(mesh) -> tuple[str, ...]:
     return (*token_axes, *(a for a in length_axes if a not in token_axes))
 
 
+def _weight_gather_axes(mesh, taken: tuple[str | None, ...]) -> tuple[str, ...]:
+    """The mesh axes (size > 1) that the current rules split a routed-expert weight's
+    model dimension (``embed``) over, leaving out the axes its other dimensions use."""
+    spec = partitioning.logical_to_spec(("expert", "embed", "mlp"), nn.get_logical_axis_rules())
+    axes = spec[1] if len(spec) > 1 else None
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return tuple(a for a in axes if a not in taken and dict(mesh.shape).get(a, 1) > 1)
+
+
 def routed_experts(
     config: ModelConfig, x: Array, topk_idx: Array, topk_weight: Array, wg, wu, wd
 ) -> tuple[Array, Array]:
@@ -348,8 +365,16 @@ def routed_experts(
         x = jnp.pad(x, ((0, pad), (0, 0)))
         topk_idx = jnp.pad(topk_idx, ((0, pad), (0, 0)))
         topk_weight = jnp.pad(topk_weight, ((0, pad), (0, 0)))
+    # The weights enter split as they are stored (the model dimension over the FSDP
+    # axes) and are gathered inside: gathered outside, by the partitioner, the
+    # backward pass all-reduced each layer's full expert gradient (7 GiB a weight
+    # for DeepSeek-V3 at fsdp=512) before slicing its shard; gathered inside, its
+    # transpose is a reduce-scatter.
+    gather_axes = _weight_gather_axes(mesh, (expert_axis, tensor_axis))
     tok = P(token_axes or None)
-    w_in, w_out = P(expert_axis, None, tensor_axis), P(expert_axis, tensor_axis, None)
+    model_dim = gather_axes or None
+    w_in = P(expert_axis, model_dim, tensor_axis)
+    w_out = P(expert_axis, tensor_axis, model_dim)
     fn = functools.partial(
         _dispatch_local,
         expert_axis=expert_axis,
@@ -357,6 +382,7 @@ def routed_experts(
         tensor_axis=tensor_axis,
         capacity_factor=config.moe_capacity_factor,
         token_axes=token_axes,
+        gather_axes=gather_axes,
         **kwargs,
     )
     y, dropped = jax.shard_map(
