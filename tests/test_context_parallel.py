@@ -174,6 +174,46 @@ def test_model_with_context_axis_2_equals_the_unsharded_model():
     _assert_close(logits, reference, "logits")
 
 
+@needs_8
+@pytest.mark.slow
+def test_rematerialised_ring_saves_no_mask_or_constant_per_ring_step():
+    """Under full rematerialisation the backward pass recomputes the ring's masks, fills
+    and initial state: none is kept per ring step, query chunk or layer. (Computed from
+    positions, segment ids and constants alone, JAX counted them as known and saved them
+    all: at 131,072 tokens over 16-way context they were ~45 GiB per chip of booleans,
+    -inf blocks and zero states; docs/scale.md.)"""
+    import re
+
+    config = MODEL.replace(remat_policy="full", attention_impl="chunked", attention_chunk_size=8)
+    variables = model.init(config, jax.random.key(0))
+    b, t, shards = 2, 128, 8
+    tokens = jax.random.randint(jax.random.key(1), (b, t), 0, config.vocab_size)
+    segments = jnp.ones((b, t), jnp.int32)
+
+    def loss(params):
+        logits = model.forward(config, {**variables, "params": params}, tokens, None, segments)
+        return logits.astype(jnp.float32).mean()
+
+    mesh = partitioning.make_mesh({"context": shards})
+    with partitioning.use_mesh(mesh, partitioning.rules_preset("long_context")):
+        text = jax.jit(jax.grad(loss)).lower(variables["params"]).as_text()
+    shapes = {
+        (tuple(int(d) for d in dims.split("x") if d), dtype)
+        for dims, dtype in re.findall(r"tensor<((?:\d+x)+)(i1|f32)>", text)
+    }
+    # A mask block is [B, 1 or H, chunk, keys]; one more dimension means a stack of them.
+    assert not [s for s, dtype in shapes if dtype == "i1" and len(s) > 4]
+    # Score-sized float32 blocks [B, H, chunk, keys] stacked over ring steps (times the
+    # shards, in the global shapes of the shard_map's results).
+    steps = shards - 2
+    stacked = [
+        s for s, dtype in shapes
+        if dtype == "f32" and len(s) == 5 and s[0] in (steps, steps * shards)
+        and s[1:3] == (b, config.num_heads)
+    ]  # fmt: skip
+    assert not stacked, stacked
+
+
 def test_moe_dispatch_splits_tokens_over_the_context_axis_too():
     """With experts on their own axis and the sequence over ``context``, each device
     dispatches only its own (batch, sequence) share of the tokens (the batch axes, then
