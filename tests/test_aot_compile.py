@@ -163,6 +163,32 @@ def test_the_compiler_refusal_is_summarised_with_its_largest_buffers():
     assert not aot_compile._refusal("some other compiler error", report)
 
 
+def test_a_compiler_failure_other_than_memory_is_a_clear_error():
+    """A compiler crash (here libtpu 0.0.42.1's on Kimi-K2's 384 experts at fsdp=512)
+    names the program and topology and gives the compiler's first line, not a traceback
+    through jax."""
+
+    class Lowered:
+        def compile(self):
+            raise RuntimeError(
+                "INTERNAL: during context [post-optimization]: %bitcast.2606 = s32[384,1] "
+                "bitcast(%slice_subtract_fusion.4): Bitcast cannot have different shape sizes"
+                "\n(more lines)"
+            )
+
+    class Fn:
+        def lower(self, *args):
+            return Lowered()
+
+    mesh = aot_compile.partitioning.make_mesh({"data": 1}, devices=aot_compile.jax.devices()[:1])
+    report = _refused_report()
+    with pytest.raises(aot_compile.CompilerError) as raised:
+        aot_compile._compile(Fn(), (), mesh, aot_compile.partitioning.DEFAULT_RULES, report)
+    text = str(raised.value)
+    assert text.startswith(f"{report.program} on {report.topology}: the compiler failed")
+    assert "Bitcast cannot have different shape sizes" in text and "more lines" not in text
+
+
 def test_largest_arrays_of_a_lowered_program():
     text = """
     %1 = stablehlo.dot_general %0, %a : (tensor<64x32xf32>, tensor<32x9xf32>) -> tensor<64x512xf32>

@@ -368,6 +368,17 @@ def _with_sharding(shapes, shardings):
     )
 
 
+class CompilerError(RuntimeError):
+    """The compiler failed on a program for a reason other than memory (e.g. a libtpu
+    bug): the program, the topology and the compiler's own first line."""
+
+    def __init__(self, program: str, topology: str, error: Exception):
+        first = next((line for line in str(error).splitlines() if line.strip()), repr(error))
+        super().__init__(
+            f"{program} on {topology}: the compiler failed (not a memory refusal): {first[:600]}"
+        )
+
+
 def _compile(fn, args: Sequence, mesh, rules, report: AotReport) -> AotReport:
     """Lowers and compiles ``fn(*args)`` under ``mesh``; fills ``report`` in place."""
     start = time.time()
@@ -378,7 +389,7 @@ def _compile(fn, args: Sequence, mesh, rules, report: AotReport) -> AotReport:
         except Exception as e:  # the TPU compiler refuses programs that exceed HBM
             report.compile_s = time.time() - start
             if not _refusal(str(e), report):
-                raise
+                raise CompilerError(report.program, report.topology, e) from e
             arrays = largest_arrays(lowered.as_text())
             if arrays:
                 report.note += (
@@ -1005,7 +1016,19 @@ def define_flags() -> types.SimpleNamespace:
 
 def main(argv, f: types.SimpleNamespace):
     del argv
-    reports = compile_programs(
+    try:
+        reports = _compile_from_flags(f)
+    except CompilerError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    failed = [r.program for r in reports if not r.fits]
+    if failed:
+        print(f"does not fit: {', '.join(failed)}", file=sys.stderr, flush=True)
+    sys.exit(1 if failed else 0)
+
+
+def _compile_from_flags(f: types.SimpleNamespace) -> list:
+    return compile_programs(
         f.config.value,
         parse_programs(f.program.value),
         topology=f.topology.value,
@@ -1028,10 +1051,6 @@ def main(argv, f: types.SimpleNamespace):
         hbm=int(f.hbm_gib.value * GiB) or None,
         emit=lambda text: print(text, flush=True),
     )
-    failed = [r.program for r in reports if not r.fits]
-    if failed:
-        print(f"does not fit: {', '.join(failed)}", file=sys.stderr, flush=True)
-    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
