@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from cursor_rl import config_lib, model
+from cursor_rl import config_lib, model, partitioning
 from cursor_rl.train import optimizer, step
 from tests.train_helpers import MICRO_MODEL
 
@@ -219,4 +219,21 @@ def test_muon_experts_first_view_gives_the_same_updates():
     u1, _ = wrapped.update(grads, wrapped.init(params), params)
     u2, _ = plain.update(grads, plain.init(params), params)
     for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    if jax.device_count() < 8:
+        return
+    # On a mesh the stacked expert matrices are spread whole over the expert and fsdp
+    # devices for the orthogonalisation (4 matrices over expert=2 x fsdp=2): same math.
+    mesh = partitioning.make_mesh({"expert": 2, "fsdp": 2, "data": 2})
+    with partitioning.use_mesh(mesh, partitioning.DEFAULT_RULES):
+        plan = optimizer._spread_plan("gate_proj", (4, 1, 32, 16))
+        assert plan is not None and plan[3] == ("expert", "fsdp")
+        # 3 matrices per expert device do not divide over fsdp=2: left alone.
+        assert optimizer._spread_plan("gate_proj", (6, 1, 32, 16)) is None
+        state = jax.jit(wrapped.init)(params)
+        u3, state = jax.jit(wrapped.update)(grads, state, params)
+        u3, _ = jax.jit(wrapped.update)(grads, state, params)
+    u4, state = plain.update(grads, plain.init(params), params)
+    u4, _ = plain.update(grads, state, params)
+    for a, b in zip(jax.tree.leaves(u3), jax.tree.leaves(u4)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
