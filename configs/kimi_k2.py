@@ -67,7 +67,7 @@ MODEL = ModelConfig(
 
 
 def get_config(arg=None):
-    arg = config_lib.parse_arg(arg, stage="pretrain", long_context=0)
+    arg = config_lib.parse_arg(arg, stage="pretrain", long_context=0, dropless=0)
     c = config_lib.base_config()
     c.stage = arg.stage
     c.model = config_lib.model_section(MODEL)
@@ -90,6 +90,18 @@ def get_config(arg=None):
     c.optimizer.warmup_steps = 500
     c.checkpoint.every_steps = 500
     c.checkpoint.keep_every = 5000
+
+    # `configs/kimi_k2.py:dropless=1`: no token is ever dropped. Experts over 8 chips
+    # (48 per chip, send buffers sized for every token landing on one peer), the step
+    # in two microbatches of 512 x 4096 (the same 4.2M-token update; the dispatch
+    # buffers follow the microbatch), Muon on whole expert matrices per chip. AOT on
+    # v5p-512 (docs/scale.md): 83.76 GiB a chip; at one microbatch 90.82; before Muon
+    # spread its expert matrices, refused at 111.15.
+    if arg.dropless:
+        c.mesh.ici = dict(data=1, fsdp=-1, context=1, expert=8, tensor=1)
+        c.model.moe_capacity_factor = 0.0
+        c.train.microbatches = 2
+        c.optimizer.muon_spread_experts = True
 
     # `configs/kimi_k2.py:long_context=131072`: the long-context stage at that length
     # (Kimi K2's YaRN factor 64 over 4,096 reaches 262,144; by default the stage keeps the

@@ -52,6 +52,20 @@ def test_kimi_k2_has_the_published_shapes():
     assert config.rope_scaling.factor == 64.0
 
 
+def test_kimi_k2_dropless_and_long_context_variants_are_valid():
+    """The ``dropless`` and ``long_context`` args give valid configs with what they say
+    (their fit is measured ahead of time: docs/scale.md)."""
+    path = os.path.join(ROOT, "configs", "kimi_k2.py")
+    config = _load(path, "dropless=1")
+    assert config.model.moe_capacity_factor == 0.0 and config.mesh.ici["expert"] == 8
+    assert config.train.microbatches == 2 and config.optimizer.muon_spread_experts
+    assert config.train.batch_size * config.train.seq_len == 1024 * 4096
+    lc = stages.stage_config(_load(path, "long_context=131072"), "long_context")
+    assert lc.train.seq_len == 131072 and lc.mesh.ici["context"] == 16
+    for cfg in (config, lc):
+        assert stages.model_config(cfg).validate()
+
+
 def test_stage_overrides_reject_unknown_fields():
     config = config_lib.base_config()
     config.stage_overrides.sft.train = {"num_stepz": 3}

@@ -220,6 +220,11 @@ def test_muon_experts_first_view_gives_the_same_updates():
     u2, _ = plain.update(grads, plain.init(params), params)
     for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    opt.muon_spread_experts = True
+    wrapped = optimizer.make_optimizer(opt, 10)
+    u1, _ = wrapped.update(grads, wrapped.init(params), params)
+    for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     if jax.device_count() < 8:
         return
     # On a mesh the stacked expert matrices are spread whole over the expert and fsdp

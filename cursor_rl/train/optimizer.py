@@ -133,7 +133,9 @@ def _swap_layers_and_experts(tree):
     )
 
 
-def _experts_first(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+def _experts_first(
+    inner: optax.GradientTransformation, spread: bool = False
+) -> optax.GradientTransformation:
     """Runs ``inner`` on a view where stacked expert weights are [experts, layers, ...].
 
     Muon flattens a matrix's batch axes into one before orthogonalising. With the
@@ -146,6 +148,10 @@ def _experts_first(inner: optax.GradientTransformation) -> optax.GradientTransfo
         return inner.init(_swap_layers_and_experts(params))
 
     def update(updates, state, params=None):
+        if not spread:
+            view = None if params is None else _swap_layers_and_experts(params)
+            new, state = inner.update(_swap_layers_and_experts(updates), state, view)
+            return _swap_layers_and_experts(new), state
         view = None if params is None else _spread(_swap_layers_and_experts(params))
         new, new_state = inner.update(
             _spread(_swap_layers_and_experts(updates)), _spread(state), view
@@ -374,7 +380,8 @@ def _make_chain(opt, num_steps: int) -> optax.GradientTransformation:
                 adam_weight_decay=0.0,
                 muon_weight_dimension_numbers=muon_dimension_numbers,
                 consistent_rms=0.2,
-            )
+            ),
+            spread=bool(opt.get("muon_spread_experts", False)),
         )
     else:
         raise ValueError(f"optimizer.name={opt.name!r}: one of adamw, muon")
