@@ -211,9 +211,10 @@ def _expert_ffn(impl: str, block: int):
 def _sorted_counts(ids: Array, n: int) -> Array:
     """How many of the sorted ``ids`` equal 0, 1, ..., n-1 (ids >= n are not counted).
 
-    Found by binary search rather than a scatter-add: libtpu 0.0.42.1 fails to compile
-    the scatter-add for 384 experts ("Bitcast cannot have different shape sizes",
-    Kimi-K2 at fsdp=512, 2026-12-07)."""
+    Found by binary search over ids that are sorted anyway, rather than a scatter-add.
+    (It was tried against libtpu 0.0.42.1's failure on 384 experts at fsdp=512, "Bitcast
+    cannot have different shape sizes": the failure moved to this op's result as
+    ``ragged_dot`` reads it, so that layout stays out of reach; docs/scale.md.)"""
     edges = jnp.searchsorted(ids, jnp.arange(n + 1, dtype=ids.dtype), side="left")
     return jnp.diff(edges).astype(jnp.int32)
 
