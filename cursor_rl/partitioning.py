@@ -211,11 +211,17 @@ def split_axes(
 ) -> tuple[str, ...]:
     """The mesh axes of size > 1 that the current rules map ``logical`` onto (or ``default``
     when the rules do not name it); empty when it is not split over devices."""
-    axes = dict(nn.get_logical_axis_rules()).get(logical, default)
-    if axes is None:
-        return ()
+    return live_axes(mesh, dict(nn.get_logical_axis_rules()).get(logical, default))
+
+
+def live_axes(
+    mesh: Mesh | jax.sharding.AbstractMesh, entry: str | Sequence[str] | None
+) -> tuple[str, ...]:
+    """The mesh axes of size > 1 named by a rule's value or a PartitionSpec entry (one
+    axis name, several, or None)."""
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
     shape = dict(mesh.shape)
-    return tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if shape.get(a, 1) > 1)
+    return tuple(a for a in names if shape.get(a, 1) > 1)
 
 
 def length_sharded() -> bool:

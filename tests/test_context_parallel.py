@@ -2,6 +2,8 @@
 8-device CPU mesh, in forward and gradients, in the causally load-balanced layout; the
 model with its sequence split over a context axis of 2 equals the unsharded model."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,8 +184,6 @@ def test_rematerialised_ring_saves_no_mask_or_constant_per_ring_step():
     positions, segment ids and constants alone, JAX counted them as known and saved them
     all: at 131,072 tokens over 16-way context they were ~45 GiB per chip of booleans,
     -inf blocks and zero states; docs/scale.md.)"""
-    import re
-
     config = MODEL.replace(remat_policy="full", attention_impl="chunked", attention_chunk_size=8)
     variables = model.init(config, jax.random.key(0))
     b, t, shards = 2, 128, 8

@@ -335,9 +335,8 @@ def _weight_gather_axes(mesh, taken: tuple[str | None, ...]) -> tuple[str, ...]:
     """The mesh axes (size > 1) that the current rules split a routed-expert weight's
     model dimension (``embed``) over, leaving out the axes its other dimensions use."""
     spec = partitioning.logical_to_spec(("expert", "embed", "mlp"), nn.get_logical_axis_rules())
-    axes = spec[1] if len(spec) > 1 else None
-    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return tuple(a for a in axes if a not in taken and dict(mesh.shape).get(a, 1) > 1)
+    axes = partitioning.live_axes(mesh, spec[1] if len(spec) > 1 else None)
+    return tuple(a for a in axes if a not in taken)
 
 
 def routed_experts(

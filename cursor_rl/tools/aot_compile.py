@@ -1017,7 +1017,29 @@ def define_flags() -> types.SimpleNamespace:
 def main(argv, f: types.SimpleNamespace):
     del argv
     try:
-        reports = _compile_from_flags(f)
+        reports = compile_programs(
+            f.config.value,
+            parse_programs(f.program.value),
+            topology=f.topology.value,
+            sampler_topology=f.sampler_topology.value,
+            stage=f.stage.value,
+            grpo=dict(
+                rows=f.grpo_rows.value,
+                with_feedback=f.grpo_feedback.value,
+                teacher_rows=f.grpo_teacher_rows.value,
+            ),
+            sampler=dict(
+                mesh_shape=parse_mesh(f.sampler_mesh.value) or None,
+                num_slots=f.sampler_slots.value,
+                context=f.sampler_context.value,
+                cache_sequences=f.sampler_cache_sequences.value,
+                prefill_rows=f.sampler_prefill_rows.value,
+                param_dtype=f.sampler_param_dtype.value,
+                scan_layers=f.sampler_scan_layers.value,
+            ),
+            hbm=int(f.hbm_gib.value * GiB) or None,
+            emit=lambda text: print(text, flush=True),
+        )
     except CompilerError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -1025,32 +1047,6 @@ def main(argv, f: types.SimpleNamespace):
     if failed:
         print(f"does not fit: {', '.join(failed)}", file=sys.stderr, flush=True)
     sys.exit(1 if failed else 0)
-
-
-def _compile_from_flags(f: types.SimpleNamespace) -> list:
-    return compile_programs(
-        f.config.value,
-        parse_programs(f.program.value),
-        topology=f.topology.value,
-        sampler_topology=f.sampler_topology.value,
-        stage=f.stage.value,
-        grpo=dict(
-            rows=f.grpo_rows.value,
-            with_feedback=f.grpo_feedback.value,
-            teacher_rows=f.grpo_teacher_rows.value,
-        ),
-        sampler=dict(
-            mesh_shape=parse_mesh(f.sampler_mesh.value) or None,
-            num_slots=f.sampler_slots.value,
-            context=f.sampler_context.value,
-            cache_sequences=f.sampler_cache_sequences.value,
-            prefill_rows=f.sampler_prefill_rows.value,
-            param_dtype=f.sampler_param_dtype.value,
-            scan_layers=f.sampler_scan_layers.value,
-        ),
-        hbm=int(f.hbm_gib.value * GiB) or None,
-        emit=lambda text: print(text, flush=True),
-    )
 
 
 if __name__ == "__main__":

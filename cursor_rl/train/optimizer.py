@@ -147,17 +147,14 @@ def _experts_first(
     def init(params):
         return inner.init(_swap_layers_and_experts(params))
 
+    into = _spread if spread else (lambda tree: tree)
+    back = _unspread if spread else (lambda tree, like: tree)
+
     def update(updates, state, params=None):
-        if not spread:
-            view = None if params is None else _swap_layers_and_experts(params)
-            new, state = inner.update(_swap_layers_and_experts(updates), state, view)
-            return _swap_layers_and_experts(new), state
-        view = None if params is None else _spread(_swap_layers_and_experts(params))
-        new, new_state = inner.update(
-            _spread(_swap_layers_and_experts(updates)), _spread(state), view
-        )
-        new = _unspread(new, _swap_layers_and_experts(updates))
-        return _swap_layers_and_experts(new), _unspread(new_state, state)
+        swapped = _swap_layers_and_experts(updates)
+        view = None if params is None else into(_swap_layers_and_experts(params))
+        new, new_state = inner.update(into(swapped), into(state), view)
+        return _swap_layers_and_experts(back(new, swapped)), back(new_state, state)
 
     return optax.GradientTransformation(init, update)
 
@@ -169,10 +166,6 @@ def _expert_layout(name: str):
     return ("expert", "layers", "embed", "mlp")
 
 
-def _axes_of(entry) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
 def _spread_plan(name: str, shape: tuple[int, ...]):
     """How ``_spread`` moves a stacked expert weight [experts, layers, m, n] under the
     current mesh and rules: its PartitionSpec, the mesh axes (size > 1) splitting m and
@@ -181,13 +174,11 @@ def _spread_plan(name: str, shape: tuple[int, ...]):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    sizes = dict(mesh.shape)
     spec = partitioning.logical_to_spec(_expert_layout(name), nn.get_logical_axis_rules())
     spec = tuple(spec) + (None,) * (4 - len(spec))
     if spec[1] is not None:
         return None  # the layer axis split: not a layout this knows
-    live = lambda entry: tuple(a for a in _axes_of(entry) if sizes.get(a, 1) > 1)
-    experts, m_axes, n_axes = live(spec[0]), live(spec[2]), live(spec[3])
+    experts, m_axes, n_axes = (partitioning.live_axes(mesh, spec[i]) for i in (0, 2, 3))
     if not m_axes and not n_axes:
         return None
     local = shape[0] // partitioning.mesh_axis_size(mesh, experts) * shape[1]
