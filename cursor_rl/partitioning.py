@@ -214,6 +214,22 @@ def split_axes(
     return live_axes(mesh, dict(nn.get_logical_axis_rules()).get(logical, default))
 
 
+def dividing_axes(
+    mesh: Mesh | jax.sharding.AbstractMesh,
+    logical: str,
+    default: str | Sequence[str] | None,
+    size: int,
+    taken: Sequence[str] = (),
+) -> tuple[str, ...]:
+    """The mesh axes ``logical``'s rule splits a dimension of ``size`` over, less those
+    already ``taken`` by another dimension, if together they divide ``size``; empty
+    otherwise (the dimension stays whole). For ``shard_map`` specs built from the rules."""
+    axes = tuple(a for a in split_axes(mesh, logical, default) if a not in taken)
+    if not axes or size % mesh_axis_size(mesh, axes):
+        return ()
+    return axes
+
+
 def live_axes(
     mesh: Mesh | jax.sharding.AbstractMesh, entry: str | Sequence[str] | None
 ) -> tuple[str, ...]:

@@ -12,14 +12,11 @@ import pytest
 from cursor_rl import model, partitioning
 from cursor_rl.model import context_parallel as cp
 from cursor_rl.model import moe
-from cursor_rl.model.config import ModelConfig
-from cursor_rl.model.layers import _attention
+from tests.attention_helpers import ATTN, mla_inputs, reference, vjp_with_max_logit
 from tests.train_helpers import MICRO_MODEL
 
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (emulated) devices")
 
-# MLA's head dims differ: q/k nope 8 + rope 4, values 6.
-ATTN = ModelConfig(num_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
 B, T, H = 2, 32, 4
 TOL = 1e-5  # fp32, max abs error
 
@@ -33,30 +30,8 @@ MESHES = {
 
 
 def _inputs(seed=0):
-    keys = jax.random.split(jax.random.key(seed), 6)
-    args = (
-        jax.random.normal(keys[0], (B, T, H, 8)),  # q_nope
-        jax.random.normal(keys[1], (B, T, H, 4)),  # q_rope
-        jax.random.normal(keys[2], (B, T, H, 8)),  # k_nope
-        jax.random.normal(keys[3], (B, T, 4)),  # k_rope, shared by the heads
-        jax.random.normal(keys[4], (B, T, H, 6)),  # v
-    )
     # Two packed documents and padding (segment 0) in row 0, one document in row 1.
-    segments = jnp.asarray([[1] * 11 + [2] * 14 + [0] * 7, [3] * T], jnp.int32)
-    cotangent = jax.random.normal(keys[5], (B, T, H, 6))
-    return args, segments, cotangent
-
-
-def _reference(args, segments, cotangent):
-    """Full causal attention (the model's single-device core): output, max logits [B, H]
-    and the gradients of <output, cotangent> for the five inputs, in sequence order."""
-    config = ATTN.replace(report_attn_max_logit=True)
-
-    def fn(*a):
-        return _attention(config, *a, segments, jnp.arange(T))
-
-    (out, max_logit), vjp = jax.vjp(fn, *args)
-    return out, max_logit, vjp((cotangent, jnp.zeros_like(max_logit)))
+    return mla_inputs(B, T, [[1] * 11 + [2] * 14 + [0] * 7, [3] * T], seed)
 
 
 def _ring(args, segments, cotangent, **kwargs):
@@ -65,12 +40,7 @@ def _ring(args, segments, cotangent, **kwargs):
             *a, segments, scale=ATTN.softmax_scale, with_max_logit=True, **kwargs
         )
 
-    @jax.jit
-    def run(args, cotangent):
-        (out, max_logit), vjp = jax.vjp(fn, *args)
-        return out, max_logit, vjp((cotangent, jnp.zeros_like(max_logit)))
-
-    return run(args, cotangent)
+    return jax.jit(lambda a, c: vjp_with_max_logit(fn, a, c))(args, cotangent)
 
 
 def _assert_close(got, want, what):
@@ -111,7 +81,7 @@ def test_ring_equals_full_attention_in_forward_and_gradients(shards):
     context axis of ``shards``: output, per-head max logit and all five input
     gradients equal full causal attention's, reordered the same way."""
     args, segments, cotangent = _inputs()
-    out_ref, max_ref, grads_ref = _reference(args, segments, cotangent)
+    out_ref, max_ref, grads_ref = reference(args, segments, cotangent)
     order = cp.load_balance_order(T, shards)
     balanced = tuple(a[:, order] for a in args)
     mesh = partitioning.make_mesh(MESHES[shards])
@@ -130,7 +100,7 @@ def test_ring_in_sequence_order_with_query_chunks():
     order); queries in chunks of 4 inside each block; rows not divisible by the data
     axis (2 rows over 4) are replicated instead. Same results."""
     args, segments, cotangent = _inputs(seed=1)
-    out_ref, max_ref, grads_ref = _reference(args, segments, cotangent)
+    out_ref, max_ref, grads_ref = reference(args, segments, cotangent)
     mesh = partitioning.make_mesh({"context": 2, "data": 4})
     with partitioning.use_mesh(mesh, partitioning.rules_preset("long_context")):
         out, max_logit, grads = _ring(args, segments, cotangent, chunk=4, load_balanced=False)

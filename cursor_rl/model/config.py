@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 MOE_IMPLS = ("auto", "ragged", "blocked", "padded", "dense")
-ATTENTION_IMPLS = ("dot", "chunked")
+ATTENTION_IMPLS = ("dot", "chunked", "splash")
 CONTEXT_PARALLEL = ("ring", "none")
 REMAT_POLICIES = (
     "none",
@@ -80,7 +80,10 @@ class ModelConfig:
     # balanced share per peer, dropping overflow (see moe.py).
     moe_capacity_factor: float = 0.0
     # "dot": scores materialised [B, H, T, T] (fastest for short rows); "chunked":
-    # query chunks of attention_chunk_size, recomputed in backward (long rows).
+    # query chunks of attention_chunk_size, recomputed in backward (long rows);
+    # "splash": the TPU splash-attention Pallas kernel in tiles of attention_chunk_size
+    # (interpreted, slowly, off TPU; model/splash.py); rows under 128 tokens (the
+    # kernel's smallest tile; e.g. init's one-token trace) take the "dot" path.
     attention_impl: str = "dot"
     attention_chunk_size: int = 512
     # When the mesh rules split the sequence over devices (act_length over the context
@@ -203,6 +206,11 @@ class ModelConfig:
         need(self.moe_capacity_factor >= 0, "moe_capacity_factor", "must be >= 0")
         need(self.attention_impl in ATTENTION_IMPLS, "attention_impl", f"one of {ATTENTION_IMPLS}")
         need(self.attention_chunk_size > 0, "attention_chunk_size", "must be > 0")
+        need(
+            self.attention_impl != "splash" or self.attention_chunk_size % 128 == 0,
+            "attention_chunk_size",
+            "must be a multiple of 128 for the splash kernel's tiles",
+        )
         need(
             self.context_parallel in CONTEXT_PARALLEL,
             "context_parallel",

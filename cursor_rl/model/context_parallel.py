@@ -129,20 +129,12 @@ def _resolve_axes(axes: Sequence[str] | None) -> tuple[jax.sharding.AbstractMesh
     return mesh, axes, (partitioning.mesh_axis_size(mesh, axes) if axes else 1)
 
 
-def _rows_axes(mesh, logical: str, default, size: int, taken: tuple[str, ...]) -> tuple:
-    """Mesh axes for a dimension of ``size`` under ``logical``'s rule, if it divides."""
-    axes = tuple(a for a in partitioning.split_axes(mesh, logical, default) if a not in taken)
-    if not axes or size % partitioning.mesh_axis_size(mesh, axes):
-        return ()
-    return axes
-
-
 def _relayout(x: Array, axes, inverse: bool, trailing: tuple) -> Array:
     mesh, axes, shards = _resolve_axes(axes)
     _check_length(x.shape[1], shards)
     if shards == 1:
         return x
-    batch = _rows_axes(mesh, "act_batch", partitioning.BATCH_AXES, x.shape[0], axes)
+    batch = partitioning.dividing_axes(mesh, "act_batch", partitioning.BATCH_AXES, x.shape[0], axes)
     trailing = tuple(trailing) + (None,) * (x.ndim - 2 - len(trailing))
     spec = P(batch or None, axes, *trailing)
     local = _from_balanced_local if inverse else _to_balanced_local
@@ -512,8 +504,8 @@ def ring_attention(
     ring = _Ring(axes, shards, float(scale), int(chunk), bool(with_max_logit))
     if shards == 1:
         return _ring(ring, q_nope, q_rope, k_nope, k_rope, v, segment_ids)
-    batch = _rows_axes(mesh, "act_batch", partitioning.BATCH_AXES, b, axes) or None
-    heads = _rows_axes(mesh, "act_heads", None, h, axes + (batch or ())) or None
+    batch = partitioning.dividing_axes(mesh, "act_batch", partitioning.BATCH_AXES, b, axes) or None
+    heads = partitioning.dividing_axes(mesh, "act_heads", None, h, axes + (batch or ())) or None
     bthk, btr, bt = P(batch, axes, heads, None), P(batch, axes, None), P(batch, axes)
     args = [q_nope, q_rope, k_nope, k_rope, v, segment_ids]
     if not load_balanced:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cursor_rl import partitioning
-from cursor_rl.model import context_parallel
+from cursor_rl.model import context_parallel, splash
 from cursor_rl.model.config import ModelConfig, yarn_mscale
 from cursor_rl.model.kv_cache import CachedStep, PagedCache, paged_attention
 
@@ -228,8 +228,13 @@ class MLA(nn.Module):
             out = context_parallel.ring_attention(
                 q_nope, q_rope, k_nope, k_rope, v, segment_ids,
                 scale=c.softmax_scale, axes=ring_axes,
-                chunk=chunk if c.attention_impl == "chunked" else 0,
+                chunk=chunk if c.attention_impl in ("chunked", "splash") else 0,
                 with_max_logit=c.report_attn_max_logit,
+            )  # fmt: skip
+        elif c.attention_impl == "splash" and t >= splash.LANES:
+            out = splash.attention(
+                q_nope, q_rope, k_nope, k_rope, v, segment_ids,
+                scale=c.softmax_scale, block=chunk, with_max_logit=c.report_attn_max_logit,
             )  # fmt: skip
         elif c.attention_impl == "chunked" and t > chunk and t % chunk == 0:
             out = _chunked_attention(c, q_nope, q_rope, k_nope, k_rope, v, segment_ids, chunk)

@@ -515,9 +515,14 @@ def _trainer_knobs(cfg, model_config: ModelConfig, extra: Sequence[str]) -> tupl
             f"model.remat_policy={model_config.remat_policy!r} -> 'full' (or one that saves "
             "less): activations recomputed in the backward pass"
         )
+    if model_config.attention_impl != "splash":
+        knobs.append(
+            "model.attention_impl='splash' (the TPU flash-attention kernel: no score "
+            "matrix in either pass)"
+        )
     if model_config.attention_impl == "dot":
         knobs.append("model.attention_impl='chunked' (one query chunk's scores at a time)")
-    else:
+    elif model_config.attention_impl == "chunked":
         knobs.append(f"a smaller model.attention_chunk_size={model_config.attention_chunk_size}")
     if not cfg.train.loss_chunk_size:
         knobs.append("train.loss_chunk_size (project the vocabulary in chunks)")
