@@ -95,8 +95,9 @@ def get_config(arg=None):
     # (48 per chip, send buffers sized for every token landing on one peer), the step
     # in two microbatches of 512 x 4096 (the same 4.2M-token update; the dispatch
     # buffers follow the microbatch), Muon on whole expert matrices per chip. AOT on
-    # v5p-512 (docs/scale.md): 83.76 GiB a chip; at one microbatch 90.82; before Muon
-    # spread its expert matrices, refused at 111.15.
+    # v5p-512 (docs/scale.md): 71.45 GiB a chip; at one microbatch 81.33; AdamW 87.23.
+    # Before the dispatch stopped copying its assignments in sorted order: 83.76 (90.82
+    # at one microbatch); before Muon spread its expert matrices, refused at 111.15.
     if arg.dropless:
         c.mesh.ici = dict(data=1, fsdp=-1, context=1, expert=8, tensor=1)
         c.model.moe_capacity_factor = 0.0
