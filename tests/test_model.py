@@ -1,5 +1,7 @@
 """Model behaviour on one device: routing, dispatch paths, packing, bias rule, layouts."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,9 +216,29 @@ def test_remat_does_not_change_values_or_grads(variables):
         return forward(config, {**variables, "params": params}, tokens).mean()
 
     g0 = jax.grad(lambda p: loss(TINY, p))(variables["params"])
-    g1 = jax.grad(lambda p: loss(TINY.replace(remat_policy="full"), p))(variables["params"])
-    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+    for policy in ("full", "offload_layer_inputs"):
+        config = TINY.replace(remat_policy=policy)
+        g1 = jax.grad(lambda p, c=config: loss(c, p))(variables["params"])
+        for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+            np.testing.assert_allclose(a, b, atol=1e-6, err_msg=policy)
+
+
+def test_offload_policy_moves_each_layer_input_to_host_memory_on_tpu(variables):
+    """Lowered for TPU (no TPU or libtpu needed), the gradient under
+    ``offload_layer_inputs`` places the scanned layers' saved inputs in ``pinned_host``
+    memory; under ``full`` nothing goes to the host."""
+    tokens = _tokens()
+
+    def lowered(policy):
+        config = TINY.replace(remat_policy=policy)
+        fn = jax.grad(lambda p: forward(config, {**variables, "params": p}, tokens).mean())
+        grad = jax.jit(fn)
+        return grad.trace(variables["params"]).lower(lowering_platforms=("tpu",)).as_text()
+
+    offloaded = lowered("offload_layer_inputs")
+    placements = re.findall(r"annotate_device_placement.*pinned_host", offloaded)
+    assert placements, "no value placed in host memory"
+    assert "pinned_host" not in lowered("full")
 
 
 @pytest.mark.slow

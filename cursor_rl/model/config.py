@@ -18,6 +18,7 @@ REMAT_POLICIES = (
     "full",
     "dots_saveable",
     "dots_with_no_batch_dims_saveable",
+    "offload_layer_inputs",
 )
 
 
@@ -112,6 +113,9 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"  # activations/matmul inputs; router, norms, softmax stay fp32
     scan_layers: bool = True
+    # "full" recomputes each decoder layer in the backward pass from its saved input;
+    # "offload_layer_inputs" the same, with those inputs (one [B, T, D] per layer) kept
+    # in host memory (``pinned_host``) between the passes instead of on the chip.
     remat_policy: str = "none"
 
     # ---- derived -------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from cursor_rl import partitioning
 from cursor_rl.model import context_parallel
@@ -35,11 +36,22 @@ Array = jax.Array
 Variables = dict[str, Any]
 
 STACKS = ("dense_layers", "moe_layers")
+LAYER_INPUT = "decoder_layer_input"  # the name remat policies save or offload it by
 
 _REMAT_POLICIES = {
     "full": None,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Full recomputation, and the one residual it keeps per layer, the layer's input,
+    # moved to host memory after the forward pass and back for the backward pass (the
+    # decoder-layer-input offload of MaxText's v5p recipes). On TPU the compiler
+    # overlaps the copies with the neighbouring layers' compute.
+    "offload_layer_inputs": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=[LAYER_INPUT],
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
 }
 
 
@@ -62,6 +74,7 @@ class DecoderLayer(nn.Module):
         the stack, the step), attention goes through the paged cache and the second
         output is the updated pools instead."""
         c = self.config
+        x = checkpoint_name(x, LAYER_INPUT)
         h = RMSNorm(c.rms_norm_eps, c.jnp_param_dtype, name="input_norm")(x)
         attn = MLA(c, name="attn")
         max_logit = None

@@ -109,6 +109,7 @@ class AotReport:
     alias_bytes: int = 0
     temp_bytes: int = 0
     code_bytes: int = 0
+    host_temp_bytes: int = 0  # temporaries in host memory (offloaded), not in HBM
     flops_per_device: float = 0.0
     compile_s: float = 0.0
     note: str = ""
@@ -164,6 +165,9 @@ class AotReport:
             f"  temporaries           {_gib(self.temp_bytes)}  (activations, gradients, buffers)",
             f"  generated code        {_gib(self.code_bytes)}",
         ]
+        if self.host_temp_bytes:
+            host = _gib(self.host_temp_bytes)
+            rows.append(f"  (host memory          {host}  offloaded, not in HBM)")
         return rows
 
     def text(self) -> str:
@@ -409,6 +413,7 @@ def _compile(fn, args: Sequence, mesh, rules, report: AotReport) -> AotReport:
     report.alias_bytes = int(memory.alias_size_in_bytes)
     report.temp_bytes = int(memory.temp_size_in_bytes)
     report.code_bytes = int(memory.generated_code_size_in_bytes)
+    report.host_temp_bytes = int(getattr(memory, "host_temp_size_in_bytes", 0) or 0)
     report.flops_per_device = float((cost or {}).get("flops", 0.0))
     return report
 
@@ -510,10 +515,15 @@ def _trainer_knobs(cfg, model_config: ModelConfig, extra: Sequence[str]) -> tupl
         "shard over fsdp (and expert) devices",
         *extra,
     ]
-    if model_config.remat_policy != "full":
+    if model_config.remat_policy not in ("full", "offload_layer_inputs"):
         knobs.append(
             f"model.remat_policy={model_config.remat_policy!r} -> 'full' (or one that saves "
             "less): activations recomputed in the backward pass"
+        )
+    if model_config.remat_policy != "offload_layer_inputs":
+        knobs.append(
+            "model.remat_policy='offload_layer_inputs' (full recomputation, each layer's "
+            "saved input in host memory)"
         )
     if model_config.attention_impl != "splash":
         knobs.append(
