@@ -109,7 +109,7 @@ def get_config(arg=None):
     # pretraining shapes). The sequence goes over a 16-way context axis (ring attention,
     # causally load-balanced, model/context_parallel.py) and the experts over 32, so each
     # chip holds 8,192 tokens as in pretraining, the same 4.2M tokens a step; parameters
-    # shard over context x expert. It fits v5p-512 at 69.80 GiB a chip (AOT, docs/scale.md).
+    # shard over context x expert. It fits v5p-512 at 70.41 GiB a chip (AOT, docs/scale.md).
     if arg.long_context:
         lc = c.stage_overrides.long_context
         lc.mesh = dict(
