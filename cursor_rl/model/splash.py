@@ -79,16 +79,21 @@ def _kernel(seq_len: int, heads: int, block: int, interpret: bool, residuals: bo
     )
 
 
-def _run(q: Array, k: Array, v: Array, seg: Array, block: int, interpret: bool, residuals: bool):
-    """The kernel over the batch (vmapped): q, k [B, H, T, D], v [B, H, T, Dv], seg [B, T]."""
+def _local(
+    q: Array,
+    k: Array,
+    v: Array,
+    seg: Array,
+    *,
+    block: int,
+    interpret: bool,
+    residuals: bool = False,
+):
+    """One device's attention, the kernel vmapped over the batch: q, k [B, H, T, D],
+    v [B, H, T, Dv], seg [B, T] -> [B, H, T, Dv]; with ``residuals``, (out, (lse,))."""
     kernel = _kernel(q.shape[2], q.shape[1], block, interpret, residuals)
     one = lambda q, k, v, s: kernel(q, k, v, segment_ids=sk.SegmentIds(s, s))
     return jax.vmap(one)(q, k, v, seg)
-
-
-def _local(q: Array, k: Array, v: Array, seg: Array, *, block: int, interpret: bool) -> Array:
-    """One device's attention: q, k [B, H, T, D], v [B, H, T, Dv], seg [B, T] -> [B, H, T, Dv]."""
-    return _run(q, k, v, seg, block, interpret, residuals=False)
 
 
 def _local_lse(q: Array, k: Array, v: Array, seg: Array, *, block: int, interpret: bool):
@@ -99,7 +104,7 @@ def _local_lse(q: Array, k: Array, v: Array, seg: Array, *, block: int, interpre
         return fwd(q, k, v, seg)[0]
 
     def fwd(q, k, v, seg):
-        out, (lse,) = _run(q, k, v, seg, block, interpret, residuals=True)
+        out, (lse,) = _local(q, k, v, seg, block=block, interpret=interpret, residuals=True)
         return (out, lse), (q, k, v, seg)
 
     def bwd(res, cotangents):
