@@ -126,9 +126,10 @@ def run(config: ml_collections.ConfigDict, workdir: Workdir | str) -> list[Stage
         raise ValueError(f"stage={config.stage!r} is not one of {stages.PIPELINE_STAGES}")
     workdir = Workdir.of(workdir)
     rows: list[StageRow] = []
+    # Every invocation records its config, the RL stage's alone too: readers of a run
+    # (cursor_rl.outer) take its task datasets and rollout settings from it.
+    train_loop.write_config(config, workdir)
     train_stages = [s for s in stages.TRAIN_STAGES if config.stage in ("all", s)]
-    if train_stages:
-        train_loop.write_config(config, workdir)
     for stage in train_stages:
         if stage == "sft":
             config = prepare_sft_data(config, workdir)
