@@ -93,12 +93,9 @@ def test_tiny_build_produces_gradable_short_tasks(tmp_path):
     assert again.tasks == [] and [r["reason"] for r in again.rejections] == ["contaminated"]
 
 
-def test_run_datasets_pass_the_generator_choice_to_the_build(tmp_path, monkeypatch):
-    """``rl.tasks.generators`` / ``max_per_generator`` reach the task factory, and a
-    finished build is reused instead of rebuilt."""
-    from cursor_rl.tasks import workdir
-
-    seen = []
+def _recording_build(seen):
+    """A stand-in for ``build.build`` that records each config and leaves an empty,
+    finished dataset (so ``ensure_datasets`` treats it as built)."""
 
     def fake_build(config, log):
         seen.append(config)
@@ -106,7 +103,17 @@ def test_run_datasets_pass_the_generator_choice_to_the_build(tmp_path, monkeypat
         for name in (build.STATS_FILE, records.TASKS_FILE):
             open(os.path.join(config.out, name), "w").close()
 
-    monkeypatch.setattr(build, "build", fake_build)
+    return fake_build
+
+
+def test_run_datasets_pass_the_generator_choice_to_the_build(tmp_path, monkeypatch):
+    """``rl.tasks.generators`` / ``max_per_generator`` reach the task factory, and a
+    finished build is reused instead of rebuilt."""
+    from cursor_rl.tasks import workdir
+
+    seen = []
+
+    monkeypatch.setattr(build, "build", _recording_build(seen))
     kwargs = dict(generators=("remove_function_body",), max_per_generator=4, log=lambda _: None)
     workdir.ensure_datasets(str(tmp_path), **kwargs)
     assert [(c.split, c.generators, c.max_per_generator) for c in seen] == [
@@ -115,3 +122,24 @@ def test_run_datasets_pass_the_generator_choice_to_the_build(tmp_path, monkeypat
     ]
     workdir.ensure_datasets(str(tmp_path), **kwargs)
     assert len(seen) == 2
+
+
+def test_the_bench_is_checked_against_the_familys_own_pretraining_corpus(tmp_path, monkeypatch):
+    """A run that pretrains on tiny modules has its bench decontaminated against them
+    (the training split never is), and only the family's own corpus specs are used."""
+    from cursor_rl.tasks import workdir
+
+    assert workdir.family_corpus(("stdlib", "tiny:64", "files:x/*.py", "tiny"), "tiny") == (
+        "tiny:64",
+        "tiny",
+    )
+    assert workdir.family_corpus(("stdlib",), "tiny") == ()
+    seen = []
+
+    monkeypatch.setattr(build, "build", _recording_build(seen))
+    workdir.ensure_datasets(str(tmp_path), decontaminate_corpus=("tiny:64",), log=lambda _: None)
+    assert [(c.split, c.decontaminate_corpus) for c in seen] == [
+        ("train", ()),
+        ("bench", ("tiny:64",)),
+    ]
+    assert seen[1].decontaminate_against == seen[0].out

@@ -311,6 +311,7 @@ def task_datasets(cfg, workdir: Workdir | str) -> tuple[str, str]:
         seed=int(t.build_seed),
         generators=tuple(t.generators),
         max_per_generator=int(t.max_per_generator),
+        decontaminate_corpus=workdir_tasks.family_corpus(tuple(cfg.data.sources), t.family),
         log=lambda line: log.info("[rl] %s", line),
     )
 

@@ -4,7 +4,9 @@ Without explicit dataset directories, the family (``tiny`` by default) is built 
 the task factory (``cursor_rl.tasks.build``) into ``WORKDIR/tasks/{train,bench}``:
 the same generators, sandbox validation and records as any dataset. A finished
 build leaves its ``stats.json``; a directory without it (an interrupted build) is
-built again. The benchmark is decontaminated against the training tasks.
+built again. The benchmark is decontaminated against the training tasks and against
+the pretraining corpus's sources of the same family (``family_corpus``: e.g. the
+``tiny:64`` modules a tiny run pretrains on).
 
 Sandboxes need the datasets on local disk: with a remote (``gs://``) workdir they are
 built in the workdir's local cache and copied to the workdir, and a job that finds
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from cursor_rl.tasks import build, contamination, records
 from cursor_rl.workdir import Workdir, is_remote
@@ -29,6 +31,18 @@ def is_built(directory: str) -> bool:
     return os.path.exists(os.path.join(directory, build.STATS_FILE)) and os.path.exists(
         os.path.join(directory, records.TASKS_FILE)
     )
+
+
+def family_corpus(sources: Sequence[str], family: str) -> tuple[str, ...]:
+    """The pretraining corpus specs (``data.sources``) drawn from the task family itself.
+
+    A ``tiny`` bench is checked against a ``tiny`` or ``tiny:N`` corpus: its modules share
+    the family's templates, so a benchmark function can occur whole in them. Other
+    sources are left to the contamination command: indexing the whole standard library
+    in memory for every build would cost far more than it finds (a tiny bench's mean
+    overlap with it is 0.05, none near the tiny threshold, 2026-12-07).
+    """
+    return tuple(s for s in sources if s.split(":", 1)[0] == family)
 
 
 def ensure_datasets(
@@ -42,6 +56,7 @@ def ensure_datasets(
     seed: int = 0,
     generators: tuple[str, ...] = (),
     max_per_generator: int = 2,
+    decontaminate_corpus: Sequence[str] = (),
     log: Callable[[str], None] = print,
 ) -> tuple[str, str]:
     """Directories of the train and bench datasets, building what is missing.
@@ -54,6 +69,8 @@ def ensure_datasets(
       seed: the build seed.
       generators: generator names (empty: all registered), e.g. one category only.
       max_per_generator: tasks per repository and generator.
+      decontaminate_corpus: pretraining corpus specs the benchmark is also checked
+        against (``family_corpus``); the training tasks always are.
       log: progress messages.
 
     Returns:
@@ -97,6 +114,7 @@ def ensure_datasets(
                 max_per_generator=max_per_generator,
                 max_per_repo=4,
                 decontaminate_against=train_dir if split == "bench" else "",
+                decontaminate_corpus=tuple(decontaminate_corpus) if split == "bench" else (),
                 decontaminate_threshold=contamination.threshold_for(family),
                 workers=2,
             ),
