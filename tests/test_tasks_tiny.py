@@ -1,6 +1,7 @@
 """The tiny family: seeded generation, tiny size, and the same build/grade path as real tasks."""
 
 import ast
+import json
 import os
 import shutil
 import subprocess
@@ -143,3 +144,37 @@ def test_the_bench_is_checked_against_the_familys_own_pretraining_corpus(tmp_pat
         ("bench", ("tiny:64",)),
     ]
     assert seen[1].decontaminate_against == seen[0].out
+    # The RL loop passes the run's own data.sources.
+    from cursor_rl import config_lib
+    from cursor_rl.rl import loop
+
+    cfg = config_lib.base_config()
+    cfg.data.sources = ("stdlib", "tiny:64")
+    seen.clear()
+    loop.task_datasets(cfg, str(tmp_path / "run"))
+    assert [c.decontaminate_corpus for c in seen] == [(), ("tiny:64",)]
+
+
+@needs_sandbox
+def test_a_bench_build_drops_candidates_found_in_the_pretraining_corpus(tmp_path):
+    """``decontaminate_corpus`` reaches the build: a bench module whose code is in the
+    corpus gives no task (its candidates are rejected as contaminated); the next gives one."""
+    first, second = (tiny.tiny_repo(s) for s in splits.tiny_seeds("bench")[:2])
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for path, text in first.tree.items():
+        (corpus / path).write_text(text)
+    out = str(tmp_path / "bench")
+    build.build(
+        build.BuildConfig(
+            source="tiny", out=out, split="bench", count=1, generators=("remove_function_body",),
+            max_per_generator=1, max_per_repo=1, workers=1,
+            decontaminate_corpus=(f"files:{corpus}",),
+            decontaminate_threshold=contamination.threshold_for("tiny"),
+        ),
+        log=lambda _: None,
+    )  # fmt: skip
+    assert [t.provenance.repo for t in records.load_tasks(out)] == [second.repo]
+    lines = (tmp_path / "bench" / "rejections.jsonl").read_text().splitlines()
+    rejected = [json.loads(line) for line in lines]
+    assert {(r["repo"], r["reason"]) for r in rejected} == {(first.name, "contaminated")}
